@@ -1,0 +1,103 @@
+"""ConvMixer, from "Patches Are All You Need?" (Trockman & Kolter, TMLR 2023).
+
+ConvMixer-h/d is a patch embedding followed by d identical blocks that keep the resolution
+fixed (paper Fig. 2):
+
+    z_0     = BN(act(Conv_{c->h, kernel p, stride p}(X)))          # patch embedding, eq. (1)
+    z_l'    = BN(act(DepthwiseConv_k(z_{l-1}))) + z_{l-1}           # spatial mixing, eq. (2)
+    z_l     = BN(act(PointwiseConv(z_l')))                          # channel mixing, eq. (3)
+    logits  = Linear(GlobalAvgPool(z_d))
+
+Order is conv -> activation -> BatchNorm everywhere, and only the depthwise conv has a residual.
+State-dict keys equal timm's `ConvMixer` (stem.{0,2}, blocks.i.0.fn.{0,2}, blocks.i.{1,3}, head),
+so timm weights load with strict=True. Being fully convolutional, the model takes any input
+size (paper Sec. 2).
+
+Self-contained: imports only torch. `python convmixer.py` prints every config's parameter count.
+"""
+import torch
+import torch.nn as nn
+
+# -----------------------------------------------------------------------------
+# Named configs. ImageNet ones are the paper's Table 1; CIFAR ones default to 10 classes.
+configs = {
+    # ImageNet-1k (paper Table 1 / locuslab/convmixer README): top-1 81.37, 80.16, 76.94
+    'convmixer_1536_20': dict(dim=1536, depth=20, kernel_size=9, patch_size=7),
+    'convmixer_768_32': dict(dim=768, depth=32, kernel_size=7, patch_size=7, activation='relu'),
+    'convmixer_1024_20': dict(dim=1024, depth=20, kernel_size=9, patch_size=14),
+    # CIFAR-10: the locuslab/convmixer-cifar10 script's default model (594,186 params) ...
+    'convmixer_256_8': dict(dim=256, depth=8, kernel_size=5, patch_size=2, num_classes=10),
+    # ... and the paper's ~0.7M-parameter CIFAR-10 model (Sec. 3, 706,570 params)
+    'convmixer_256_8_k9_p1': dict(dim=256, depth=8, kernel_size=9, patch_size=1, num_classes=10),
+}
+
+
+class Residual(nn.Module):
+    """fn(x) + x. Its own module so that state-dict keys read blocks.i.0.fn.* as in timm."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x) + x
+
+
+class ConvMixer(nn.Module):
+    def __init__(self, *, dim, depth, kernel_size=9, patch_size=7, in_chans=3, num_classes=1000,
+                 activation='gelu', dropout=0.0):
+        """dim = h (channels), depth = d (blocks), kernel_size = k (depthwise), patch_size = p.
+
+        activation: 'gelu' (paper default) or 'relu' (ConvMixer-768/32). dropout is applied to
+        the pooled features before the head (timm's head_drop); the paper uses none.
+        """
+        super().__init__()
+        act = {'gelu': nn.GELU, 'relu': nn.ReLU}[activation]
+        self.num_classes = num_classes
+        # patch embedding, eq. (1): a p x p conv with stride p is a per-patch linear map
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size),
+            act(),
+            nn.BatchNorm2d(dim),
+        )
+        self.blocks = nn.Sequential(*[
+            nn.Sequential(
+                # spatial (token) mixing, eq. (2): depthwise conv, residual around it only
+                Residual(nn.Sequential(
+                    nn.Conv2d(dim, dim, kernel_size, groups=dim, padding='same'),
+                    act(),
+                    nn.BatchNorm2d(dim),
+                )),
+                # channel mixing, eq. (3): pointwise conv, no residual
+                nn.Conv2d(dim, dim, kernel_size=1),
+                act(),
+                nn.BatchNorm2d(dim),
+            ) for _ in range(depth)
+        ])
+        self.head_drop = nn.Dropout(dropout)
+        self.head = nn.Linear(dim, num_classes) if num_classes > 0 else nn.Identity()
+        # Initialisation: PyTorch defaults, as in the official code (locuslab/convmixer), which
+        # sets no init of its own.
+
+    def forward_features(self, x):  # (B, 3, H, W) -> (B, h, H/p, W/p)
+        return self.blocks(self.stem(x))
+
+    def forward(self, x):
+        x = self.forward_features(x)
+        x = x.mean(dim=(2, 3))  # global average pool: (B, h, H/p, W/p) -> (B, h)
+        return self.head(self.head_drop(x))
+
+
+def create(name, **overrides):
+    """Build a named config, e.g. create('convmixer_256_8', num_classes=100)."""
+    if name not in configs:
+        raise ValueError(f"unknown ConvMixer config {name!r}; valid names: {', '.join(configs)}")
+    return ConvMixer(**{**configs[name], **overrides})
+
+
+if __name__ == '__main__':
+    for name in configs:
+        with torch.device('meta'):  # counts without allocating or initialising
+            model = create(name)
+        print(f"{name:24s} {sum(p.numel() for p in model.parameters()):>13,d} params"
+              f"  ({model.num_classes} classes)")

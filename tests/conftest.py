@@ -1,0 +1,31 @@
+"""Shared fixtures. The real-data fixture extracts the shared CIFAR-10 JPEG copy once per session."""
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the experiment files live flat at the top level
+
+# ../shared/data beside the checkout (CI lays a copy of shared/ beside its clone too).
+CIFAR_TARBALL = Path(os.environ.get('CIFAR10_TARBALL',
+                                    REPO.parent / 'shared' / 'data' / 'cifar10-jpeg.tar.gz'))
+
+
+@pytest.fixture(scope='session')
+def cifar10_dir(tmp_path_factory):
+    """Path to an extracted `cifar10/{train,test}/<class>/NNNN.jpg` tree (50,000 / 10,000 images).
+
+    Outside CI a missing archive skips the test; under CI (CI=true) it is a failure.
+    """
+    if not CIFAR_TARBALL.is_file():
+        msg = f'CIFAR-10 archive not found at {CIFAR_TARBALL} (set CIFAR10_TARBALL to point at it)'
+        if os.environ.get('CI', '').lower() == 'true':
+            pytest.fail(msg)
+        pytest.skip(msg)
+    root = tmp_path_factory.mktemp('data')
+    with tarfile.open(CIFAR_TARBALL) as tar:
+        tar.extractall(root, filter='data')
+    return root / 'cifar10'

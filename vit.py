@@ -1,0 +1,245 @@
+"""Vision Transformer (Dosovitskiy et al. 2021), as trained with SAM in Chen, Hsieh & Gong,
+"When Vision Transformers Outperform ResNets without Pretraining or Strong Data Augmentations"
+(ICLR 2022).
+
+    z_0 = [x_class; x_p^1 E; ...; x_p^N E] + E_pos           # patch + position embedding, ViT eq. (1)
+    z_l' = MSA(LN(z_{l-1})) + z_{l-1}                        # pre-norm attention, ViT eq. (2)
+    z_l  = MLP(LN(z_l')) + z_l'                              # pre-norm MLP, ViT eq. (3)
+    y    = head(LN(z_L^0))                                   # class token (or mean of tokens), ViT eq. (4)
+
+State-dict keys equal timm's `VisionTransformer` (patch_embed.proj, cls_token, pos_embed,
+blocks.i.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}, norm, fc_norm, head), so
+`model.load_state_dict(timm_model.state_dict())` works with strict=True and gives the same logits.
+
+Self-contained: imports only torch and einops. `python vit.py` prints every config's parameter count.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+# -----------------------------------------------------------------------------
+# Named configs (ViT paper Table 1; Ti from DeiT). `vit_s16` = ViT-S/16: patch 16, width 384, ...
+configs = {
+    'vit_ti16': dict(patch_size=16, dim=192, depth=12, heads=3),
+    'vit_s32': dict(patch_size=32, dim=384, depth=12, heads=6),
+    'vit_s16': dict(patch_size=16, dim=384, depth=12, heads=6),
+    'vit_s8': dict(patch_size=8, dim=384, depth=12, heads=6),
+    'vit_b32': dict(patch_size=32, dim=768, depth=12, heads=12),
+    'vit_b16': dict(patch_size=16, dim=768, depth=12, heads=12),
+    'vit_b8': dict(patch_size=8, dim=768, depth=12, heads=12),
+    'vit_l32': dict(patch_size=32, dim=1024, depth=24, heads=16),
+    'vit_l16': dict(patch_size=16, dim=1024, depth=24, heads=16),
+    # CIFAR: ViT-S width at 32 px with 4x4 patches (64 tokens), half the depth; not a paper model.
+    'vit_s4_cifar': dict(img_size=32, patch_size=4, dim=384, depth=6, heads=6, num_classes=10),
+}
+
+
+def lecun_normal_(weight):
+    """Flax's default kernel init: truncated normal (+-2 std) with variance 1/fan_in."""
+    fan_in = weight[0].numel()  # in_features, or in_chans * kh * kw for a conv
+    std = math.sqrt(1.0 / fan_in) / .87962566103423978  # undo the variance lost to truncation
+    nn.init.trunc_normal_(weight, std=std, a=-2 * std, b=2 * std)
+
+
+def drop_path(x, p, training):
+    """Stochastic depth (Huang et al. 2016): drop the whole residual branch per sample."""
+    if p == 0.0 or not training:
+        return x
+    keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1 - p)
+    return x * keep / (1 - p)
+
+
+def resample_pos_embed(pos_embed, new_grid, num_prefix_tokens=1):
+    """Bicubically resize the (1, prefix + h*w, D) position embedding to a new (h', w') grid,
+    keeping the class-token entry (ViT paper Sec. 3.2, "Fine-tuning and higher resolution")."""
+    prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
+    old = int(math.sqrt(grid.shape[1]))
+    if (old, old) == tuple(new_grid):
+        return pos_embed
+    grid = rearrange(grid, 'b (h w) d -> b d h w', h=old)
+    # antialias matters only when shrinking; on, as in timm's resample_abs_pos_embed
+    grid = F.interpolate(grid.float(), size=tuple(new_grid), mode='bicubic', antialias=True)
+    grid = rearrange(grid, 'b d h w -> b (h w) d').to(pos_embed.dtype)
+    return torch.cat([prefix, grid], dim=1)
+
+
+class PatchEmbed(nn.Module):
+    """Split the image into p x p patches and project each linearly: a conv with stride p."""
+
+    def __init__(self, patch_size, in_chans, dim):
+        super().__init__()
+        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x):  # (B, 3, H, W) -> (B, N, D), grid (H/p, W/p)
+        x = self.proj(x)
+        return rearrange(x, 'b d h w -> b (h w) d'), x.shape[-2:]
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused qkv projection (bias on, as in the paper)."""
+
+    def __init__(self, dim, heads, qkv_bias, attn_dropout, dropout):
+        super().__init__()
+        self.heads = heads
+        self.scale = (dim // heads) ** -0.5  # 1/sqrt(D_h), Vaswani et al. eq. (1)
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.attn_drop = nn.Dropout(attn_dropout)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(dropout)
+
+    def forward(self, x, return_attn=False):  # (B, N, D)
+        q, k, v = rearrange(self.qkv(x), 'b n (three h d) -> three b h n d', three=3, h=self.heads)
+        if return_attn:
+            # Slow path that materialises the (B, H, N, N) attention map, for the paper's
+            # attention-map analysis (Sec. 4.4); mathematically the same as the fused kernel.
+            attn = (q * self.scale) @ k.transpose(-2, -1)
+            attn = attn.softmax(dim=-1)
+            out = self.attn_drop(attn) @ v
+        else:
+            attn = None
+            out = F.scaled_dot_product_attention(  # fused kernel, never stores the N x N map
+                q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        out = self.proj_drop(self.proj(rearrange(out, 'b h n d -> b n (h d)')))
+        return out, attn
+
+
+class Mlp(nn.Module):
+    """Two dense layers with a GELU between them, hidden width mlp_ratio * D (ViT eq. (3))."""
+
+    def __init__(self, dim, hidden, dropout, gelu):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU(approximate='tanh' if gelu == 'tanh' else 'none')
+        self.drop1 = nn.Dropout(dropout)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop2 = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, mlp_ratio, qkv_bias, dropout, attn_dropout, drop_path, gelu):
+        super().__init__()
+        # LayerNorm eps 1e-6 as in the official JAX code (PyTorch's default is 1e-5).
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, heads, qkv_bias, attn_dropout, dropout)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), dropout, gelu)
+        self.drop_path = drop_path
+
+    def forward(self, x, return_attn=False):  # (B, N, D) -> (B, N, D)
+        y, attn = self.attn(self.norm1(x), return_attn)
+        x = x + drop_path(y, self.drop_path, self.training)
+        x = x + drop_path(self.mlp(self.norm2(x)), self.drop_path, self.training)
+        return x, attn
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, *, img_size=224, patch_size=16, in_chans=3, num_classes=1000, dim=768,
+                 depth=12, heads=12, mlp_ratio=4.0, qkv_bias=True, pool='token', dropout=0.0,
+                 attn_dropout=0.0, drop_path=0.0, gelu='exact'):
+        """dim = D (hidden size), depth = L (layers), heads = number of attention heads.
+
+        pool: 'token' reads the class token (the paper's ViTs); 'avg' averages the patch tokens
+          and has no class token (then, as in timm, the final LayerNorm is applied after pooling,
+          under the name fc_norm).
+        dropout / attn_dropout / drop_path: dropout after the embedding, MLP and projection; on
+          the attention weights; stochastic-depth rate, rising linearly to `drop_path` at the
+          last block. The SAM paper trains ViTs with none of them (Sec. 3).
+        gelu: 'exact' (timm, PyTorch) or 'tanh', the approximation Flax's nn.gelu uses, for
+          bit-faithful numerics with the official JAX checkpoints.
+        """
+        super().__init__()
+        assert pool in ('token', 'avg'), f"pool must be 'token' or 'avg', got {pool!r}"
+        assert gelu in ('exact', 'tanh'), f"gelu must be 'exact' or 'tanh', got {gelu!r}"
+        self.pool, self.num_classes, self.patch_size = pool, num_classes, patch_size
+        self.grid = (img_size // patch_size, img_size // patch_size)
+        self.num_prefix_tokens = 1 if pool == 'token' else 0
+        num_tokens = self.grid[0] * self.grid[1] + self.num_prefix_tokens
+
+        self.patch_embed = PatchEmbed(patch_size, in_chans, dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if pool == 'token' else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, dim))  # learned 1-D, (1, N+1, D)
+        self.pos_drop = nn.Dropout(dropout)
+        rates = [drop_path * i / max(depth - 1, 1) for i in range(depth)]  # linear decay rule
+        self.blocks = nn.ModuleList([
+            Block(dim, heads, mlp_ratio, qkv_bias, dropout, attn_dropout, rates[i], gelu)
+            for i in range(depth)])
+        self.norm = nn.LayerNorm(dim, eps=1e-6) if pool == 'token' else nn.Identity()
+        self.fc_norm = nn.LayerNorm(dim, eps=1e-6) if pool == 'avg' else nn.Identity()
+        self.head_drop = nn.Dropout(dropout)
+        self.head = nn.Linear(dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """The official JAX initialisation (google-research/vision_transformer, models_vit.py)."""
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                if name == 'head':
+                    nn.init.zeros_(m.weight)  # zero head: initial logits are all 0
+                    nn.init.zeros_(m.bias)
+                else:
+                    nn.init.xavier_uniform_(m.weight)
+                    # MLP biases ~ N(0, 1e-6), the rest zero (MlpBlock's bias_init)
+                    nn.init.normal_(m.bias, std=1e-6) if '.mlp.' in name else nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        # xavier_uniform_ on the fused (3D, D) qkv weight would use fan_out = 3D; JAX initialises
+        # q, k and v as three separate (D, D) kernels, so do each third on its own.
+        for block in self.blocks:
+            for w in block.attn.qkv.weight.chunk(3, dim=0):
+                nn.init.xavier_uniform_(w)
+        lecun_normal_(self.patch_embed.proj.weight)  # Flax nn.Conv default
+        nn.init.zeros_(self.patch_embed.proj.bias)
+        # The official code uses normal(0.02); truncating at +-2 std changes almost nothing and
+        # matches timm.
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.zeros_(self.cls_token)
+
+    def forward_features(self, x, return_attn=False):
+        """(B, 3, H, W) -> tokens (B, N(+1), D), and the per-block attention maps if asked."""
+        x, grid = self.patch_embed(x)  # (B, N, D)
+        pos_embed = self.pos_embed
+        if tuple(grid) != self.grid:  # other input size: resample the position grid to fit
+            pos_embed = resample_pos_embed(pos_embed, grid, self.num_prefix_tokens)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, N+1, D)
+        x = self.pos_drop(x + pos_embed)
+        attns = []
+        for block in self.blocks:
+            x, attn = block(x, return_attn)
+            attns.append(attn)
+        return self.norm(x), attns
+
+    def forward_head(self, x):  # (B, N(+1), D) -> (B, num_classes)
+        x = x[:, 0] if self.pool == 'token' else x.mean(dim=1)
+        return self.head(self.head_drop(self.fc_norm(x)))
+
+    def forward(self, x):
+        return self.forward_head(self.forward_features(x)[0])
+
+    def get_attention_maps(self, x):
+        """A list of L softmax attention maps, each (B, heads, N(+1), N(+1))."""
+        return self.forward_features(x, return_attn=True)[1]
+
+
+def create(name, **overrides):
+    """Build a named config with overrides, e.g. create('vit_s16', num_classes=10, img_size=32, patch_size=4)."""
+    if name not in configs:
+        raise ValueError(f"unknown ViT config {name!r}; valid names: {', '.join(configs)}")
+    return VisionTransformer(**{**configs[name], **overrides})
+
+
+if __name__ == '__main__':
+    for name in configs:
+        with torch.device('meta'):  # counts without allocating or initialising
+            model = create(name)
+        print(f"{name:16s} {sum(p.numel() for p in model.parameters()):>13,d} params"
+              f"  ({model.num_classes} classes)")
