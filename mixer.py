@@ -15,9 +15,17 @@ expansion factors by default, we do not.
 State-dict keys equal timm's `MlpMixer` (stem.proj, blocks.i.{norm1,mlp_tokens.fc1/fc2,norm2,
 mlp_channels.fc1/fc2}, norm, head), so timm weights load with strict=True.
 
-Self-contained: imports only torch and einops. `python mixer.py` prints every config's parameter count.
+Self-contained: imports only torch and einops (and the standard library, to read checkpoints).
+`python mixer.py` prints every config's parameter count. `load_checkpoint(model, path)` loads the
+official JAX .npz, timm state_dicts and our training checkpoints (see "Checkpoints" below).
 """
+import argparse
+import ast
 import math
+import os
+import warnings
+import zipfile
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -163,6 +171,194 @@ class MlpMixer(nn.Module):
     def forward(self, x):
         x = self.forward_features(x).mean(dim=1)  # global average pool over tokens: (B, C)
         return self.head(self.head_drop(x))
+
+
+# -----------------------------------------------------------------------------
+# ---- Checkpoints ----
+# load_checkpoint(model, path) loads, in place, whichever of these `path` holds:
+#   1. the official JAX .npz (google-research/vision_transformer, vit_jax/models_mixer.py; e.g.
+#      gs://mixer_models/sam/Mixer-B_16.npz): stem/ (an HWIO conv), MixerBlock_{i}/{LayerNorm_0,
+#      token_mixing/Dense_{0,1}, LayerNorm_1, channel_mixing/Dense_{0,1}}, pre_head_layer_norm/ and
+#      head/, with or without an 'opt/target/' or 'params/' prefix. Nothing else in PyTorch reads
+#      these files: timm ships its own converted copies of other Mixer weights.
+#   2. a timm state_dict (our keys are timm's), bare or inside timm's train checkpoint ('state_dict');
+#   3. our training checkpoint (a dict whose 'model' is the state_dict);
+#   with 'module.' (DDP) and '_orig_mod.' (torch.compile) prefixes stripped.
+# A head for another number of classes is skipped with a warning, leaving the model's own head.
+# Anything else (including another resolution or patch size: the token-mixing MLP is sized by the
+# number of patches) is a ValueError that names the first key that does not fit and both shapes.
+#
+# Numerics: Flax's nn.gelu is the tanh approximation, so build the model with gelu='tanh' to match
+# the JAX numerics: then the logits equal Flax's to float32 rounding (max |difference| ~1e-6 on tiny
+# random models, measured against Flax itself), where the default exact GELU leaves 2-4e-4 of the
+# largest logit (tests/test_checkpoints.py checks both against a float64 replica of the Flax code).
+# Preprocessing: the JAX checkpoints expect RGB in [0, 1] mapped to [-1, 1], i.e. (x - 0.5) / 0.5
+# (mean = std = 0.5 per channel), not ImageNet's mean/std.
+
+_NPY_DTYPES = {'<f4': torch.float32, '<f2': torch.float16, '<f8': torch.float64,
+               '<i4': torch.int32, '<i8': torch.int64}
+
+
+def _read_npz(path):
+    """{name: tensor} from an .npz, without numpy. An .npz is a zip of .npy files; an .npy is the
+    magic b'\\x93NUMPY', a version (1, 0) or (2, 0), the header length (2 or 4 bytes, little-endian),
+    a Python-literal header {'descr', 'fortran_order', 'shape'}, then the raw array."""
+    arrays = {}
+    with zipfile.ZipFile(path) as zf:
+        for name in zf.namelist():
+            raw = zf.read(name)
+            n = 2 if raw[6] == 1 else 4
+            start = 8 + n + int.from_bytes(raw[8:8 + n], 'little')
+            header = ast.literal_eval(raw[8 + n:start].decode('latin1'))
+            dtype, shape = _NPY_DTYPES.get(header['descr']), tuple(header['shape'])
+            if dtype is None:
+                raise ValueError(f"{path}: array {name!r} has dtype {header['descr']!r}; this reader "
+                                 f"takes {', '.join(_NPY_DTYPES)}")
+            data = bytearray(raw[start:])  # writable copy: torch.frombuffer shares its memory
+            flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+            if header['fortran_order']:  # column-major (numpy writes a transposed array this way)
+                array = flat.reshape(shape[::-1]).permute(*reversed(range(len(shape))))
+            else:
+                array = flat.reshape(shape)
+            arrays[name[:-len('.npy')]] = array
+    return arrays
+
+
+def _read_checkpoint(path):
+    """(tensors, 'npz') for a zip of .npy arrays, else (what torch.load returns, 'torch')."""
+    if isinstance(path, Mapping):  # an already-loaded checkpoint or state_dict
+        return dict(path), 'torch'
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f'no checkpoint file at {path}')
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+        if names and all(name.endswith('.npy') for name in names):
+            return _read_npz(path), 'npz'
+    try:  # weights_only: tensors and plain containers, never arbitrary code (timm adds an argparse.Namespace)
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location='cpu', weights_only=True), 'torch'
+    except Exception as e:
+        unsafe = [line for line in str(e).splitlines() if 'Unsupported global: ' in line]
+        if unsafe:
+            name = unsafe[0].split('Unsupported global: ')[1].split(' was not')[0]
+            raise ValueError(f'{path} holds Python objects besides tensors ({name}), which '
+                             'torch.load(weights_only=True) refuses. If you trust the file: '
+                             'load_checkpoint(model, torch.load(path, weights_only=False))') from None
+        reason = 'not a pickle' if 'Weights only load failed' in str(e) else str(e).splitlines()[0]
+        raise ValueError(f'{path} is neither an .npz nor a file torch.load reads '
+                         f'({type(e).__name__}: {reason})') from None
+
+
+def _state_dict_of(ckpt, what):
+    """The state_dict inside a torch checkpoint: ours keeps it under 'model', timm's train.py and
+    locuslab's under 'state_dict'. Strips the prefixes DDP ('module.') and torch.compile ('_orig_mod.') add."""
+    for key in ('model', 'state_dict'):
+        if isinstance(ckpt.get(key), Mapping):
+            ckpt = ckpt[key]
+            break
+    sd = {}
+    for k, v in ckpt.items():
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f'{what}: {k!r} is a {type(v).__name__}, not a tensor: this is not a state_dict, '
+                             "nor a checkpoint holding one under 'model' or 'state_dict'")
+        parts = [p for p in k.split('.') if p != '_orig_mod']
+        while parts and parts[0] == 'module':
+            parts = parts[1:]
+        sd['.'.join(parts)] = v
+    return sd
+
+
+def _load_exactly(model, sd, what, origin):
+    """model.load_state_dict(sd) with strict=True, after finding the first key that does not fit and
+    saying so plainly (origin maps a converted key to the file's own name for it)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    if len(missing) >= len(own) / 2:  # most of it missing: another kind of model altogether
+        raise ValueError(f'{what}: not a checkpoint for this {type(model).__name__}: {len(missing)} of its '
+                         f'{len(own)} keys are not in the file, the first {missing[0]!r}; the file has '
+                         f'{list(sd)[:3]}...')
+    name = lambda k: repr(k) + (f' (from {origin[k]!r})' if k in origin else '')
+    for k, v in own.items():
+        if k not in sd:
+            raise ValueError(f'{what}: the model has {k!r} {tuple(v.shape)} but the file does not')
+        if sd[k].shape != v.shape:
+            raise ValueError(f'{what}: {name(k)} has shape {tuple(sd[k].shape)} in the file but '
+                             f'{tuple(v.shape)} in the model')
+    extra = [k for k in sd if k not in own]
+    if extra:
+        raise ValueError(f'{what}: the file has {name(extra[0])} {tuple(sd[extra[0]].shape)}, which the '
+                         f'model does not ({len(extra)} such keys)')
+    model.load_state_dict(sd)
+
+
+def _keep_own_head(model, sd, what):
+    """A file trained for another number of classes (or a headless model): keep the model's head."""
+    w = sd.get('head.weight')
+    head = model.head
+    if w is None or (isinstance(head, nn.Linear) and w.shape == head.weight.shape):
+        return
+    if isinstance(head, nn.Linear) and w.shape[1:] != head.weight.shape[1:]:
+        return  # a different width is a real mismatch: let _load_exactly name it
+    warnings.warn(f'{what}: the file\'s head has {w.shape[0]} classes and the model {model.num_classes}; '
+                  'the head was not loaded (the model keeps its own)')
+    for key in ('head.weight', 'head.bias'):
+        sd.pop(key, None)
+        if isinstance(head, nn.Linear):
+            sd[key] = getattr(head, key.split('.')[1]).detach()
+
+
+def _mixer_from_npz(w, what):
+    """Official JAX names and layouts -> our (timm's) state_dict. Flax Dense kernels are (in, out) and
+    convs HWIO. In token_mixing, "in" is the number of patches S: Dense_0 is (S, D_S)."""
+    prefix = next((p for p in ('', 'opt/target/', 'params/') if p + 'stem/kernel' in w), None)
+    if prefix is None:
+        raise ValueError(f"{what}: not an official MLP-Mixer .npz: it has no 'stem/kernel' "
+                         f'(its first keys are {list(w)[:3]})')
+    w = {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
+    sd, origin = {}, {}
+
+    def put(key, src, fn=lambda t: t):
+        if src not in w:
+            raise ValueError(f'{what}: the .npz has no {prefix + src!r} (needed for {key!r})')
+        sd[key], origin[key] = fn(w[src]), prefix + src
+
+    dense = lambda t: t.t()  # (in, out) -> (out, in)
+    put('stem.proj.weight', 'stem/kernel', fn=lambda t: t.permute(3, 2, 0, 1))  # HWIO -> OIHW
+    put('stem.proj.bias', 'stem/bias')
+    i = 0
+    while any(k.startswith(f'MixerBlock_{i}/') for k in w):
+        b, o = f'MixerBlock_{i}/', f'blocks.{i}.'  # the file's prefix, ours
+        for src, dst in (('LayerNorm_0', 'norm1'), ('LayerNorm_1', 'norm2')):
+            put(o + dst + '.weight', b + src + '/scale')
+            put(o + dst + '.bias', b + src + '/bias')
+        for src, dst in (('token_mixing', 'mlp_tokens'), ('channel_mixing', 'mlp_channels')):
+            for j in (0, 1):
+                put(o + f'{dst}.fc{j + 1}.weight', b + f'{src}/Dense_{j}/kernel', fn=dense)
+                put(o + f'{dst}.fc{j + 1}.bias', b + f'{src}/Dense_{j}/bias')
+        i += 1
+    put('norm.weight', 'pre_head_layer_norm/scale')
+    put('norm.bias', 'pre_head_layer_norm/bias')
+    if 'head/kernel' in w:
+        put('head.weight', 'head/kernel', fn=dense)
+        put('head.bias', 'head/bias')
+    return sd, origin
+
+
+@torch.no_grad()
+def load_checkpoint(model, path):
+    """Load the checkpoint at `path` (or an already-loaded checkpoint dict) into the MlpMixer
+    `model`, in place, and return the model. See the comment above for the layouts it recognises;
+    anything else raises ValueError naming the first mismatch."""
+    what = f'mixer.load_checkpoint({path if not isinstance(path, Mapping) else "<dict>"})'
+    ckpt, kind = _read_checkpoint(path)
+    if kind == 'npz':
+        sd, origin = _mixer_from_npz(ckpt, what + ' [JAX .npz]')
+    else:
+        sd, origin = _state_dict_of(ckpt, what), {}
+    _keep_own_head(model, sd, what)
+    _load_exactly(model, sd, what, origin)
+    return model
 
 
 def create(name, **overrides):
