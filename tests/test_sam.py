@@ -1,0 +1,586 @@
+"""sam.py against independent oracles: closed forms on a quadratic, the base optimizer alone, a
+single-process simulation of 2-process DDP, fp32 runs for AMP, plain forward passes for BatchNorm,
+one big batch for accumulation, and hand-computed clipping."""
+import contextlib
+import copy
+import io
+import math
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import convmixer
+from sam import SAM, first_pass, second_pass
+
+F64 = torch.float64
+
+
+# -----------------------------------------------------------------------------
+# helpers (the spawned DDP workers import this module, so everything stays at top level)
+def _mlp(seed):
+    """Tiny model without BatchNorm (LayerNorm is per-sample, so accumulation is exact)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
+
+
+def _data(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _sam_step(model, opt, micro, scaler=None, autocast=None, clip=None, unscale=True):
+    """One SAM step exactly as in the sam.py / README loop (k = len(micro) micro-batches)."""
+    k = len(micro)
+    scaler = scaler or torch.amp.GradScaler('cpu', enabled=False)
+    ctx = autocast or contextlib.nullcontext
+    with first_pass(model):
+        for xb, yb in micro:
+            with ctx():
+                loss = F.cross_entropy(model(xb), yb) / k
+            scaler.scale(loss).backward()
+    opt.first_step(zero_grad=True)
+    with second_pass(model):
+        for xb, yb in micro:
+            with ctx():
+                loss = F.cross_entropy(model(xb), yb) / k
+            scaler.scale(loss).backward()
+    if unscale:
+        scaler.unscale_(opt)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+def _grads_at(model, params, x, y):
+    """Independent oracle: d CE(model(x), y) / d params, by torch.autograd.grad."""
+    return torch.autograd.grad(F.cross_entropy(model(x), y), params)
+
+
+def _update_rel_err(w0, wa, wb):
+    """||(wa - w0) - (wb - w0)|| / ||wb - w0||: compares two updates of the same start point."""
+    da, db = _flat(wa) - _flat(w0), _flat(wb) - _flat(w0)
+    return ((da - db).norm() / db.norm()).item()
+
+
+# -----------------------------------------------------------------------------
+# 1. closed form on L(w) = 1/2 w^T A w (the gradient is A w)
+@pytest.mark.parametrize('adaptive', [False, True], ids=['sam', 'asam'])
+@pytest.mark.parametrize('base,kw', [
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.1)),
+    (torch.optim.AdamW, dict(lr=0.05, weight_decay=0.1)),
+], ids=['sgd', 'adamw'])
+def test_closed_form_quadratic(adaptive, base, kw):
+    torch.manual_seed(0)
+    n, rho, eta = 7, 0.3, 0.01
+    m = torch.randn(n, n, dtype=F64)
+    a = m @ m.T + n * torch.eye(n, dtype=F64)
+    w = torch.randn(n, dtype=F64)
+    # w is split over two tensors so that the norm must be global; `unused` never gets a grad
+    w1 = nn.Parameter(w[:3].clone())
+    w2 = nn.Parameter(w[3:].reshape(2, 2).clone())
+    unused = nn.Parameter(torch.randn(2, dtype=F64))
+    unused0 = unused.detach().clone()
+    opt = SAM([w1, w2, unused], base, rho=rho, adaptive=adaptive, eta=eta, **kw)
+    ref = nn.Parameter(w.clone())  # oracle: the base optimizer alone, fed A(w + eps)
+    ref_opt = base([ref], **kw)
+
+    def loss():
+        v = torch.cat([w1.reshape(-1), w2.reshape(-1)])
+        return 0.5 * v @ a @ v
+
+    for _ in range(3):
+        w = ref.detach().clone()
+        g = a @ w
+        if adaptive:  # Kwon et al.: eps = rho T^2 g / ||T g||, T = |w| + eta
+            t = w.abs() + eta
+            eps = rho * t ** 2 * g / torch.linalg.vector_norm(t * g)
+        else:         # Foret et al. eq. (2): eps = rho g / ||g||
+            eps = rho * g / torch.linalg.vector_norm(g)
+
+        loss().backward()
+        opt.first_step(zero_grad=True)
+        torch.testing.assert_close(_flat([w1, w2]).detach(), w + eps, rtol=0, atol=1e-12)
+        assert torch.equal(unused.detach(), unused0) and unused.grad is None
+        loss().backward()
+        opt.second_step(zero_grad=True)
+
+        ref.grad = a @ (w + eps)  # weight decay is the base optimizer's business, not eps's
+        ref_opt.step()
+        torch.testing.assert_close(_flat([w1, w2]).detach(), ref.detach(), rtol=0, atol=1e-12)
+    assert torch.equal(unused.detach(), unused0)
+
+
+def test_per_group_rho_and_adaptive_share_one_norm():
+    """Official-ASAM layout: weights adaptive, biases not (T = 1); the norm runs over both."""
+    torch.manual_seed(0)
+    w, b = torch.randn(5, dtype=F64), torch.randn(3, dtype=F64)
+    pw, pb = nn.Parameter(w.clone()), nn.Parameter(b.clone())
+    opt = SAM([{'params': [pw]}, {'params': [pb], 'adaptive': False, 'rho': 0.2}],
+              torch.optim.SGD, rho=0.5, adaptive=True, eta=0.01, lr=0.1)
+    ((pw ** 3).sum() + (pb ** 2).sum()).backward()
+    gw, gb = 3 * w ** 2, 2 * b
+    t = w.abs() + 0.01
+    norm = math.sqrt(((t * gw) ** 2).sum() + (gb ** 2).sum())
+    opt.first_step()
+    torch.testing.assert_close(pw.detach(), w + 0.5 * t ** 2 * gw / norm, rtol=0, atol=1e-12)
+    torch.testing.assert_close(pb.detach(), b + 0.2 * gb / norm, rtol=0, atol=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# 2. rho = 0 is the base optimizer, bit for bit
+@pytest.mark.parametrize('adaptive', [False, True], ids=['sam', 'asam'])
+@pytest.mark.parametrize('base,kw', [
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05)),
+], ids=['sgd', 'adamw'])
+def test_rho_zero_is_bit_identical_to_base(adaptive, base, kw):
+    m_sam, m_ref = _mlp(0), _mlp(0)
+    opt = SAM(m_sam.parameters(), base, rho=0.0, adaptive=adaptive, **kw)
+    ref = base(m_ref.parameters(), **kw)
+    for step in range(4):
+        x, y = _data(step, 16)
+        _sam_step(m_sam, opt, [(x, y)])
+        ref.zero_grad()
+        F.cross_entropy(m_ref(x), y).backward()
+        ref.step()
+    for p, q in zip(m_sam.parameters(), m_ref.parameters()):
+        assert torch.equal(p, q)
+
+
+# -----------------------------------------------------------------------------
+# 3. DDP m-sharpness: 2 processes, gloo on CPU, against a single-process simulation
+DDP_KW = dict(rho=0.2, lr=0.1, momentum=0.9)
+DDP_BATCH, DDP_MICRO = 8, 2  # global batch 8 = 2 ranks x 2 micro-batches x 2 samples
+DDP_STEPS, DDP_OVERFLOW_STEP = 4, 2  # at step 2 only rank 0's first-pass gradient overflows
+
+
+def _ddp_worker(rank, world, port, out):
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
+                            world_size=world)
+    try:
+        model = _mlp(0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = SAM(ddp.parameters(), torch.optim.SGD, **DDP_KW)
+        scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)  # fp32 compute, as with fp16
+        per = DDP_BATCH // world
+        before, perturbed = [], []
+        for step in range(DDP_STEPS):
+            before.append(_params(model))
+            x, y = _data(100 + step, DDP_BATCH)
+            xr, yr = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+            micro = list(zip(xr.chunk(DDP_MICRO), yr.chunk(DDP_MICRO)))
+            k = len(micro)
+            with first_pass(ddp):  # the loop of the sam.py docstring, verbatim
+                for xb, yb in micro:
+                    scaler.scale(F.cross_entropy(ddp(xb), yb) / k).backward()
+            if step == DDP_OVERFLOW_STEP and rank == 0:
+                model[0].weight.grad[0, 0] = float('inf')
+            opt.first_step(zero_grad=True)
+            perturbed.append(_params(model))
+            with second_pass(ddp):
+                for j, (xb, yb) in enumerate(micro):
+                    with ddp.no_sync() if j < k - 1 else contextlib.nullcontext():
+                        scaler.scale(F.cross_entropy(ddp(xb), yb) / k).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 10.0)  # inactive here, but in the loop
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        torch.save({'final': _params(model), 'before': before, 'perturbed': perturbed, 'scale': scaler.get_scale()},
+                   os.path.join(out, f'rank{rank}.pt'))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_m_sharpness_matches_single_process(tmp_path):
+    world = 2
+    mp.spawn(_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    res = [torch.load(tmp_path / f'rank{r}.pt') for r in range(world)]
+
+    # Oracle: one process, plain autograd. Each sub-batch perturbs with its own gradient
+    # (no all-reduce); the second-pass gradients of the sub-batches are averaged.
+    model = _mlp(0)
+    params = list(model.parameters())
+    ref = torch.optim.SGD(params, lr=DDP_KW['lr'], momentum=DDP_KW['momentum'])
+    per = DDP_BATCH // world
+    for step in range(DDP_STEPS):
+        x, y = _data(100 + step, DDP_BATCH)
+        w = _params(model)
+        if step == DDP_OVERFLOW_STEP:
+            # rank 0 overflowed in its first pass: it did not move, rank 1 did, and BOTH skipped,
+            # leaving w exactly as it was
+            r0, r1 = res
+            assert torch.equal(_flat(r0['perturbed'][step]), _flat(r0['before'][step]))
+            assert not torch.allclose(_flat(r1['perturbed'][step]), _flat(r1['before'][step]))
+            for r in res:
+                assert torch.equal(_flat(r['before'][step + 1]), _flat(r['before'][step]))
+            continue
+        g_sam = [torch.zeros_like(p) for p in params]
+        for r in range(world):
+            xr, yr = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
+            g = _grads_at(model, params, xr, yr)
+            norm = torch.linalg.vector_norm(_flat(g))
+            with torch.no_grad():
+                for p, gi in zip(params, g):
+                    p.add_(DDP_KW['rho'] * gi / norm)
+            for a, b in zip(res[r]['perturbed'][step], params):  # rank r's own eps
+                torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+            for gs, gi in zip(g_sam, _grads_at(model, params, xr, yr)):
+                gs += gi / world
+            with torch.no_grad():
+                for p, wi in zip(params, w):
+                    p.copy_(wi)
+        for p, gs in zip(params, g_sam):
+            p.grad = gs
+        ref.step()
+        # the two ranks did perturb differently (no all-reduce in the first pass)
+        assert not torch.allclose(_flat(res[0]['perturbed'][step]), _flat(res[1]['perturbed'][step]))
+
+    for a, b in zip(res[0]['final'], res[1]['final']):
+        assert torch.equal(a, b)  # replicas stay bit-identical
+    for a, b in zip(res[0]['final'], params):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+    assert res[0]['scale'] == res[1]['scale'] == 2.0 ** 7  # one skipped step on both ranks
+
+
+# -----------------------------------------------------------------------------
+# 4. mixed precision
+def test_eps_is_invariant_to_loss_scale():
+    x, y = _data(0, 16)
+    moved = []
+    for scale in (1.0, 2.0 ** 16, 3.0e3):
+        m = _mlp(0)
+        opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
+        (scale * F.cross_entropy(m(x), y)).backward()
+        opt.first_step()
+        moved.append(_params(m))
+    for other in moved[1:]:
+        for a, b in zip(moved[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _run(steps, base=torch.optim.SGD, autocast=None, scaler=None, rho=0.5, **kw):
+    kw = kw or dict(lr=0.1, momentum=0.9)
+    m = _mlp(0)
+    opt = SAM(m.parameters(), base, rho=rho, **kw)
+    for step in range(steps):
+        x, y = _data(step, 32)
+        _sam_step(m, opt, [(x, y)], scaler=scaler, autocast=autocast)
+    return _params(m)
+
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
+def test_autocast_matches_fp32(dtype):
+    """bf16 autocast without a scaler; fp16 autocast with GradScaler('cpu'). The update after 3
+    steps matches fp32 far more closely than it matches the plain (rho = 0) update."""
+    w0 = _params(_mlp(0))
+    fp32 = _run(3)
+    plain = _run(3, rho=0.0)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 12) if dtype == torch.float16 else None
+    amp = _run(3, autocast=lambda: torch.autocast('cpu', dtype=dtype), scaler=scaler)
+    err = _update_rel_err(w0, amp, fp32)
+    tol = 0.01 if dtype == torch.bfloat16 else 0.002
+    assert err < tol
+    assert _update_rel_err(w0, plain, fp32) > 10 * tol  # the tolerance does tell SAM from SGD
+    if scaler is not None:
+        assert scaler.get_scale() == 2.0 ** 12  # no step was skipped
+
+
+def test_fp16_overflow_in_first_pass_skips_and_keeps_weights():
+    """A real fp16 overflow (loss scale 2^40 under fp16 autocast): first_step does not move w and
+    keeps the non-finite gradients; GradScaler skips the step; the scale halves; w is unchanged."""
+    m = _mlp(0)
+    opt = SAM(m.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 40)
+    x, y = _data(0, 32)
+    w0 = _params(m)
+    with first_pass(m):
+        with torch.autocast('cpu', dtype=torch.float16):
+            loss = F.cross_entropy(m(x), y)
+        scaler.scale(loss).backward()
+    assert not all(torch.isfinite(p.grad).all() for p in m.parameters())
+    opt.first_step(zero_grad=True)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), w0))
+    assert not all(torch.isfinite(p.grad).all() for p in m.parameters())  # kept for the scaler
+    with second_pass(m):
+        with torch.autocast('cpu', dtype=torch.float16):
+            loss = F.cross_entropy(m(x), y)
+        scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), w0))
+    assert len(opt.base_optimizer.state) == 0  # AdamW never stepped
+    assert scaler.get_scale() == 2.0 ** 39
+
+
+@pytest.mark.parametrize('where', ['first', 'second'])
+def test_injected_overflow_skips_and_restores_exactly(where):
+    """fp32 compute with an inf injected into one pass. An overflow in the SECOND pass is the
+    dangerous case: w sits at w + eps, GradScaler skips the step, and SAM must still restore w."""
+    m = _mlp(0)
+    opt = SAM(m.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+    x, y = _data(0, 32)
+    w0 = _params(m)
+    with first_pass(m):
+        scaler.scale(F.cross_entropy(m(x), y)).backward()
+    if where == 'first':
+        m[0].weight.grad[0, 0] = float('inf')
+    opt.first_step(zero_grad=True)
+    moved = not all(torch.equal(p, q) for p, q in zip(m.parameters(), w0))
+    assert moved == (where == 'second')
+    with second_pass(m):
+        scaler.scale(F.cross_entropy(m(x), y)).backward()
+    if where == 'second':
+        m[3].bias.grad[0] = float('nan')
+    scaler.step(opt)  # without unscale_: the found_inf check happens inside GradScaler.step
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), w0))
+    assert len(opt.base_optimizer.state) == 0
+    assert scaler.get_scale() == 2.0 ** 7
+    # and training goes on normally: the next step moves w and AdamW counts one step
+    _sam_step(m, opt, [(x, y)], scaler=scaler)
+    assert not all(torch.equal(p, q) for p, q in zip(m.parameters(), w0))
+    assert all(float(s['step']) == 1 for s in opt.base_optimizer.state.values())
+
+
+def test_gradscaler_with_or_without_unscale_call():
+    """scaler.step(opt) unscales inside SAM.step when unscale_ was not called: same result, and
+    (power-of-two scale, fp32 compute) the same as no scaler at all."""
+    runs = []
+    for unscale in (True, False):
+        m = _mlp(0)
+        opt = SAM(m.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
+        scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)
+        for step in range(3):
+            x, y = _data(step, 32)
+            _sam_step(m, opt, [(x, y)], scaler=scaler, unscale=unscale)
+        runs.append(_params(m))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    fp32 = _run(3, base=torch.optim.AdamW, rho=0.1, lr=1e-2)
+    for a, b in zip(runs[0], fp32):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# 5. BatchNorm: the second pass leaves the running statistics alone
+def test_second_pass_freezes_batchnorm_statistics():
+    torch.manual_seed(0)
+    model = convmixer.ConvMixer(dim=16, depth=2, kernel_size=3, patch_size=2, num_classes=10)
+    clean = copy.deepcopy(model)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1)
+    with first_pass(model):
+        F.cross_entropy(model(x), y).backward()
+    opt.first_step(zero_grad=True)
+    at_eps = copy.deepcopy(model)  # weights w + eps, statistics after the first pass
+    with second_pass(model):
+        F.cross_entropy(model(x), y).backward()
+    g_sam = [p.grad.clone() for p in model.parameters()]
+    opt.second_step(zero_grad=True)
+
+    with torch.no_grad():
+        clean(x)  # oracle: statistics of exactly one clean train-mode forward
+    bns = [mod for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)]
+    assert len(bns) == 5 and all(mod.track_running_stats for mod in bns)
+    for (name, a), (_, b) in zip(model.named_buffers(), clean.named_buffers()):
+        assert torch.equal(a, b), name
+    assert all(int(mod.num_batches_tracked) == 1 for mod in bns)
+    # the second pass still normalised with batch statistics: same gradients as a plain pass
+    F.cross_entropy(at_eps(x), y).backward()
+    for a, p in zip(g_sam, at_eps.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-6)
+    # without second_pass the statistics would have moved (so the check above can fail)
+    with torch.no_grad():
+        at_eps(x)
+    assert not torch.equal(at_eps.stem[2].running_mean, clean.stem[2].running_mean)
+
+
+# -----------------------------------------------------------------------------
+# 6. gradient accumulation == one pass over the concatenated batch
+def test_accumulation_equals_big_batch():
+    m_acc, m_big = _mlp(0), _mlp(0)
+    kw = dict(rho=0.2, lr=0.1, momentum=0.9)
+    o_acc = SAM(m_acc.parameters(), torch.optim.SGD, **kw)
+    o_big = SAM(m_big.parameters(), torch.optim.SGD, **kw)
+    for step in range(3):
+        x, y = _data(step, 24)
+        _sam_step(m_acc, o_acc, list(zip(x.chunk(4), y.chunk(4))))  # k = 4 micro-batches
+        _sam_step(m_big, o_big, [(x, y)])
+    for a, b in zip(m_acc.parameters(), m_big.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# 7. clipping: before first_step it is a no-op; after the second pass it clips g_sam
+def test_clipping_the_first_gradient_changes_nothing():
+    x, y = _data(0, 16)
+    moved = []
+    for clip in (None, 1e-3):
+        m = _mlp(0)
+        opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
+        F.cross_entropy(m(x), y).backward()
+        if clip:
+            assert torch.nn.utils.clip_grad_norm_(m.parameters(), clip) > 100 * clip
+        opt.first_step()
+        moved.append(_params(m))
+    for a, b in zip(*moved):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_clipping_applies_to_the_second_gradient():
+    lr, rho, clip = 0.1, 0.2, 0.05
+    m = _mlp(0)
+    oracle = _mlp(0)
+    x, y = _data(0, 16)
+    opt = SAM(m.parameters(), torch.optim.SGD, rho=rho, lr=lr)
+    _sam_step(m, opt, [(x, y)], clip=clip)
+
+    params = list(oracle.parameters())
+    w = _params(oracle)
+    g = _grads_at(oracle, params, x, y)
+    norm = torch.linalg.vector_norm(_flat(g))
+    with torch.no_grad():
+        for p, gi in zip(params, g):
+            p.add_(rho * gi / norm)
+    g_sam = _grads_at(oracle, params, x, y)
+    g_norm = torch.linalg.vector_norm(_flat(g_sam))
+    assert g_norm > 2 * clip  # the clip is active
+    c = clip / (g_norm + 1e-6)  # clip_grad_norm_'s factor
+    for p, wi, gi in zip(m.parameters(), w, g_sam):
+        torch.testing.assert_close(p.detach(), wi - lr * c * gi, rtol=1e-5, atol=1e-7)
+
+
+# -----------------------------------------------------------------------------
+# 8. weight decay is decoupled: it never enters eps
+def test_weight_decay_is_not_part_of_eps():
+    x, y = _data(0, 16)
+    moved = []
+    for wd in (0.0, 0.5):
+        m = _mlp(0)
+        opt = SAM(m.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2, weight_decay=wd)
+        F.cross_entropy(m(x), y).backward()
+        opt.first_step()
+        moved.append(_params(m))
+    for a, b in zip(*moved):
+        assert torch.equal(a, b)
+
+
+# -----------------------------------------------------------------------------
+# API: closure, shared param groups, state_dict round trip, loud misuse
+def test_step_with_closure_equals_two_step_loop():
+    x, y = _data(0, 16)
+    m1, m2 = _mlp(0), _mlp(0)
+    o1 = SAM(m1.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
+    o2 = SAM(m2.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
+    def closure():
+        o2.zero_grad()
+        loss = F.cross_entropy(m2(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        with torch.no_grad():
+            clean_loss = F.cross_entropy(m1(x), y)  # at w, before the step
+        _sam_step(m1, o1, [(x, y)])
+        assert torch.equal(o2.step(closure).detach(), clean_loss)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_param_groups_are_shared_so_schedulers_work_on_either():
+    m = _mlp(0)
+    opt = SAM(m.parameters(), torch.optim.SGD, rho=0.0, lr=1.0)
+    assert opt.param_groups is opt.base_optimizer.param_groups
+    on_base = torch.optim.lr_scheduler.StepLR(opt.base_optimizer, 1, gamma=0.5)
+    on_sam = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.2)
+    for lr in (1.0, 0.1):  # the second step runs at 1.0 * 0.5 * 0.2
+        x, y = _data(0, 16)
+        w0 = _params(m)
+        g = _grads_at(m, list(m.parameters()), x, y)
+        _sam_step(m, opt, [(x, y)])
+        for p, wi, gi in zip(m.parameters(), w0, g):  # rho = 0: w - lr * g with the scheduled lr
+            torch.testing.assert_close(p.detach(), wi - lr * gi)
+        on_base.step()
+        on_sam.step()
+    opt.add_param_group({'params': [nn.Parameter(torch.zeros(2))]})
+    assert opt.param_groups[-1]['rho'] == 0.0 and opt.param_groups[-1]['lr'] == 1.0
+    assert len(opt.base_optimizer.param_groups) == 2
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    kw = dict(rho=0.1, adaptive=True, lr=1e-2, weight_decay=0.05)
+
+    def make(seed, rho):
+        m = _mlp(seed)
+        opt = SAM(m.parameters(), torch.optim.AdamW, **{**kw, 'rho': rho})
+        return m, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
+
+    def train(m, opt, sched, steps):
+        for step in steps:
+            _sam_step(m, opt, [_data(step, 16)])
+            sched.step()
+
+    m, opt, sched = make(0, 0.1)
+    train(m, opt, sched, range(2))
+    buf = io.BytesIO()
+    torch.save({'model': m.state_dict(), 'opt': opt.state_dict(), 'sched': sched.state_dict()}, buf)
+    train(m, opt, sched, range(2, 4))
+
+    m2, opt2, sched2 = make(1, 0.9)  # other init, other rho: all must come from the checkpoint
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    assert ckpt['opt']['param_groups'][0]['rho'] == 0.1 and ckpt['opt']['param_groups'][0]['adaptive']
+    m2.load_state_dict(ckpt['model'])
+    opt2.load_state_dict(ckpt['opt'])
+    sched2.load_state_dict(ckpt['sched'])
+    assert opt2.param_groups is opt2.base_optimizer.param_groups
+    assert opt2.state is opt2.base_optimizer.state
+    train(m2, opt2, sched2, range(2, 4))
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    assert opt2.param_groups[0]['lr'] == opt.param_groups[0]['lr']
+
+
+def test_misuse_fails_loudly():
+    m = _mlp(0)
+    with pytest.raises(TypeError, match='optimizer class'):
+        SAM(m.parameters(), torch.optim.SGD(m.parameters(), lr=0.1), rho=0.05)
+    with pytest.raises(ValueError, match='rho'):
+        SAM(m.parameters(), torch.optim.SGD, rho=-1.0, lr=0.1)
+    opt = SAM(m.parameters(), torch.optim.SGD, lr=0.1)
+    x, y = _data(0, 8)
+    F.cross_entropy(m(x), y).backward()
+    with pytest.raises(RuntimeError, match='first_step'):
+        opt.step()  # a plain one-pass loop must not silently train without SAM
+    opt.first_step()
+    with pytest.raises(RuntimeError, match='twice'):
+        opt.first_step()
