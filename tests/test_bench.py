@@ -1,0 +1,140 @@
+"""bench.py runs end to end and prints what it claims: a tiny --quick run on one row, its tables
+parsed and checked against closed forms (FLOPs, ratios) and a known allocation (peak memory).
+Speed itself is never asserted: the figures are reported as measured."""
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bench
+from conftest import REPO
+
+MODEL_COLUMNS = ['model', 'px', 'batch', 'dtype', 'mode', 'ours img/s', 'timm img/s', 'ours/timm',
+                 'ours train GFLOP/img', 'ours peak MiB', 'timm peak MiB']
+SAM_COLUMNS = ['model', 'px', 'batch', 'dtype', 'mode', 'base ms/step', 'SAM ms/step', 'SAM/base']
+DATA_COLUMNS = ['pipeline', 'device', 'threads', 'batch', 'img/s', 'vs reference']
+
+
+def markdown_tables(text):
+    """Every markdown table in text, as {header string: [row dicts]}."""
+    tables, lines = {}, text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith('|') and i + 1 < len(lines) and lines[i + 1].startswith('|---'):
+            header = [c.strip() for c in line.strip('|').split('|')]
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith('|'):
+                    break
+                rows.append(dict(zip(header, (c.strip() for c in row.strip('|').split('|')))))
+            tables[' | '.join(header)] = rows
+    return tables
+
+
+def positive(cell):
+    value = float(cell.replace(',', ''))
+    assert value > 0 and math.isfinite(value), cell
+    return value
+
+
+def close(printed, exact, sig=3):
+    """printed (rounded for the table) agrees with exact to the rounding of a few digits."""
+    return abs(printed - exact) <= 0.006 + 2 * 10 ** -sig * abs(exact)
+
+
+def convmixer_256_8_train_gflops():
+    """Closed form at 32 px: 3 x 2 x multiply-adds of the convs and the head (k5, p2: 16x16 grid)."""
+    dim, depth, k, p, grid = 256, 8, 5, 2, 16
+    stem = 3 * p * p * dim * grid ** 2
+    block = dim * k * k * grid ** 2 + dim * dim * grid ** 2  # depthwise + pointwise
+    return 3 * 2 * (stem + depth * block + dim * 10) / 1e9
+
+
+@pytest.fixture(scope='module')
+def quick_run():
+    cmd = [sys.executable, 'bench.py', '--quick', '--rows', 'convmixer_256_8', '--batch', '4',
+           '--repeats', '2', '--data-images', '48', '--threads', '1']
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_header_names_machine_torch_date_and_command(quick_run):
+    assert re.search(r'^## bench\.py, \d{4}-\d\d-\d\d \d\d:\d\d UTC$', quick_run, re.M)
+    machine = next(line for line in quick_run.splitlines() if line.startswith('Machine: '))
+    assert f'torch {torch.__version__}' in machine and 'cores' in machine and 'torch threads 1' in machine
+    assert '`python bench.py --quick --rows convmixer_256_8 --batch 4' in quick_run
+
+
+def test_model_table_columns_values_and_flops(quick_run):
+    rows = markdown_tables(quick_run)[' | '.join(MODEL_COLUMNS)]
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r['model'], r['px'], r['batch'], r['dtype'], r['mode']) == ('convmixer_256_8', '32', '4', 'fp32', 'eager')
+    ours, timm, ratio = positive(r['ours img/s']), positive(r['timm img/s']), positive(r['ours/timm'])
+    assert close(ratio, ours / timm)
+    assert close(positive(r['ours train GFLOP/img']), convmixer_256_8_train_gflops())
+    # Peak memory of a training step at batch 4 holds at least the weights, grads and AdamW state.
+    assert positive(r['ours peak MiB']) >= 4 * 594_186 * 4 / 2**20
+    assert positive(r['timm peak MiB']) >= 4 * 594_186 * 4 / 2**20
+
+
+def test_sam_table(quick_run):
+    rows = markdown_tables(quick_run)[' | '.join(SAM_COLUMNS)]
+    assert [r['model'] for r in rows] == ['convmixer_256_8']
+    base, sam, ratio = (positive(rows[0][c]) for c in ('base ms/step', 'SAM ms/step', 'SAM/base'))
+    assert close(ratio, sam / base)
+
+
+def test_data_table(quick_run):
+    rows = markdown_tables(quick_run)[' | '.join(DATA_COLUMNS)]
+    ref, ours, model = rows[0], rows[1], rows[-1]
+    assert ref['pipeline'].startswith('locuslab reference') and ref['threads'] == '1'
+    assert ours['pipeline'].startswith('ours') and ours['threads'] == '1' and ours['batch'] == '512'
+    assert model['pipeline'].startswith('model: convmixer_256_8') and model['batch'] == '4'
+    assert close(positive(ours['vs reference']), positive(ours['img/s']) / positive(ref['img/s']), sig=2)
+    positive(model['img/s'])
+    assert re.search(r'Per core: ours / reference = [\d.]+x', quick_run)
+    assert re.search(r'Estimated training time per epoch of the default CIFAR run here: [\d,]+ s', quick_run)
+
+
+def test_unknown_row_is_a_clear_error():
+    proc = subprocess.run([sys.executable, 'bench.py', '--rows', 'resnet50'], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and 'Traceback' not in proc.stderr
+    assert 'resnet50' in proc.stderr and all(name in proc.stderr for name in bench.ROWS)
+
+
+def test_every_row_is_the_same_config_on_both_sides():
+    """Ours takes timm's state dict strictly and counts the same FLOPs, except our ViT, which skips
+    exactly the last block's work on the tokens its class-token head never reads."""
+    for name in bench.ROWS:
+        with torch.device('meta'):
+            ours, theirs = bench.build_ours(name), bench.build_timm(name)
+        ours.load_state_dict(theirs.state_dict(), strict=True, assign=True)
+        px = bench.ROWS[name]['cpu'][0]
+        f_ours = bench.forward_gflops(lambda: bench.build_ours(name), px)
+        f_timm = bench.forward_gflops(lambda: bench.build_timm(name), px)
+        if name.startswith('vit'):
+            D, N = ours.pos_embed.shape[-1], ours.pos_embed.shape[1]  # width, tokens incl. class
+            hidden = ours.blocks[-1].mlp.fc1.out_features
+            # the last block at N-1 fewer tokens: proj and MLP (D^2 + 2 D hidden) per token, and the
+            # two attention products (2 N D) per query
+            skipped = 2 * (N - 1) * (D * D + 2 * D * hidden + 2 * N * D) / 1e9
+            assert f_ours == pytest.approx(f_timm - skipped, rel=1e-9)
+        else:
+            assert f_ours == f_timm
+
+
+def test_peak_memory_sees_a_known_allocation():
+    mem = bench.PeakMemory(torch.device('cpu'))
+    mem.reset()
+    x = torch.ones(64 * 2**20 // 4)  # 64 MiB, every page written
+    peak = mem.peak()
+    del x
+    assert 63 <= peak <= 80, peak
+    if mem.method == 'VmHWM':  # resettable: a fresh measurement does not remember the 64 MiB
+        mem.reset()
+        assert mem.peak() < 16
