@@ -568,6 +568,7 @@ def main(argv=None):
             f'top-5 {res["top5"]:.3f}%, loss {res["loss"]:.4f}')
         log(json.dumps(res))
         if distributed:
+            dist.barrier()  # leave together: gloo may abort a rank whose peer is still running
             dist.destroy_process_group()
         return res
 
@@ -739,6 +740,7 @@ def main(argv=None):
     if master:
         metrics.close()
     if distributed:
+        dist.barrier()  # rank 0 may still be writing: leave together (gloo aborts a one-sided teardown)
         dist.destroy_process_group()
 
 
