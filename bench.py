@@ -480,32 +480,37 @@ def run_data(args, device, model_results):
     n_batches = max(2, math.ceil(n_ref / bsz))
     runs = [('cpu', 1)] + ([('cpu', threads)] if threads > 1 else [])
     runs += [('cuda', None)] if device.type == 'cuda' else []
-    rates = {}
+    samples = {}  # pipeline -> img/s of each repeat; the pipelines take turns, median reported
     try:
         torch.set_num_threads(1)  # per-core rates: one thread for both pipelines
         ref = reference_transform(recipe)
         pil = [Image.fromarray(a) for a in images.permute(0, 2, 3, 1).numpy()]
         for img in pil[:20]:
             ref(img)  # warm-up
-        t0 = clock()
-        for img in pil:
-            ref(img)
-        rates['ref'] = n_ref / (clock() - t0)
+        augments = {}
         for dev_type, nthreads in runs:
             dev = device if dev_type == 'cuda' else torch.device('cpu')
-            torch.set_num_threads(nthreads or threads)
-            augment = train_cifar.make_augment(cifar_args, dev)
-            b = batch.to(dev)
+            augments[(dev_type, nthreads)] = (train_cifar.make_augment(cifar_args, dev), batch.to(dev), dev)
+            augment, b, _ = augments[(dev_type, nthreads)]
             out = augment(b)  # warm-up, and the contract: uint8 in, normalised float batch out
             assert out.shape == (bsz, 3, 32, 32) and out.is_floating_point(), out.shape
-            sync(dev)
+        for _ in range(args.repeats):
+            torch.set_num_threads(1)
             t0 = clock()
-            for _ in range(n_batches):
-                augment(b)
-            sync(dev)
-            rates[(dev_type, nthreads)] = n_batches * bsz / (clock() - t0)
+            for img in pil:
+                ref(img)
+            samples.setdefault('ref', []).append(n_ref / (clock() - t0))
+            for key, (augment, b, dev) in augments.items():
+                torch.set_num_threads(key[1] or threads)
+                sync(dev)
+                t0 = clock()
+                for _ in range(n_batches):
+                    augment(b)
+                sync(dev)
+                samples.setdefault(key, []).append(n_batches * bsz / (clock() - t0))
     finally:
         torch.set_num_threads(threads)
+    rates = {k: statistics.median(v) for k, v in samples.items()}
 
     desc = (f"RandomResizedCrop(32, scale=({recipe['scale']}, 1), ratio=(1, 1)), flip, "
             f"RandAugment({recipe['ra_n']}, {recipe['ra_m']})"
@@ -531,7 +536,7 @@ def run_data(args, device, model_results):
     per_core = rates[('cpu', 1)] / rates['ref']
     out = ['### 3. CIFAR-10 augmentation pipeline (train_cifar defaults) vs the locuslab reference',
            f'Recipe: {desc}. Input: {source}, the same for both pipelines. Rows with 1 thread ran '
-           f'under torch.set_num_threads(1) ({args.clock} clock). Goals: ours >= 10x the reference '
+           f'under torch.set_num_threads(1) ({args.clock} clock); the pipelines take turns, median of {args.repeats} repeats. Goals: ours >= 10x the reference '
            f'per core, and faster than the model trains.', '',
            table(['pipeline', 'device', 'threads', 'batch', 'img/s', 'vs reference'], rows), '',
            f"Per core: ours / reference = {per_core:.1f}x (goal >= 10). Pipeline as training runs it "

@@ -25,22 +25,15 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 import convmixer
 import mixer
 import vit
+from test_models import randomise as perturb
 
 # Tiny models: 32 px, 8 px patches (16 tokens), width 64, depth 2.
 IMG, PATCH, DIM, DEPTH, HEADS, CLASSES = 32, 8, 64, 2, 4, 10
 
 
 def randomise(model, seed=0):
-    """Perturb every float tensor so that zero/one inits cannot hide a mismatch."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for k, v in model.state_dict().items():
-        if v.is_floating_point():
-            noise = 0.1 * torch.randn(v.shape, generator=g)
-            v = (v + noise).abs() + 0.5 if 'running_var' in k else v + noise
-        sd[k] = v
-    model.load_state_dict(sd)
-    return model.eval()
+    """Perturb every float tensor (test_models' helper), in eval mode."""
+    return perturb(model, seed, scale=0.1).eval()
 
 
 def logits(model, x):

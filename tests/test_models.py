@@ -104,13 +104,13 @@ def test_python_file_prints_every_count(family):
 # -----------------------------------------------------------------------------
 # Numerical equivalence with timm: copy timm's (randomised) weights into ours, compare logits.
 
-def randomise(model, seed=0):
+def randomise(model, seed=0, scale=0.05):
     """Perturb every weight and buffer so that zero/one inits cannot hide a mismatch."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for k, v in model.state_dict().items():
         if v.is_floating_point():
-            noise = 0.05 * torch.randn(v.shape, generator=g)
+            noise = scale * torch.randn(v.shape, generator=g)
             v = (v + noise).abs() + 0.5 if 'running_var' in k else v + noise
         sd[k] = v
     model.load_state_dict(sd)
