@@ -563,11 +563,10 @@ def make_augment(args, device):
             dy, dx = (torch.randint(0, 9, (2, B), generator=gen, device=device))
             x = pad_crop_flip(x_u8, dy, dx, rand(B) < 0.5).float()
         else:
-            x = x_u8.float()
             if args.scale < 1:
-                x = random_resized_crop_flip(x)
-            else:  # every crop would be the whole image: flip only
-                x = torch.where((rand(B) < 0.5).view(B, 1, 1, 1), x.flip(3), x)
+                x = random_resized_crop_flip(x_u8.float())
+            else:  # every crop would be the whole image: flip only, on uint8 (a quarter of the bytes)
+                x = torch.where((rand(B) < 0.5).view(B, 1, 1, 1), x_u8.flip(3), x_u8).float()
             for _ in range(args.ra_n):
                 op = torch.randint(0, len(RA_OPS), (B,), generator=gen, device=device)
                 sign = torch.where(ra_signed[op] & (rand(B) < 0.5), -1.0, 1.0).double()
