@@ -44,6 +44,13 @@ def close(printed, exact, sig=3):
     return abs(printed - exact) <= 0.006 + 2 * 10 ** -sig * abs(exact)
 
 
+def ratio_of_printed(ratio, num, den):
+    """ratio (printed to 2 decimals) agrees with num / den, where num and den are themselves printed
+    to 3 significant digits, so each may be off its exact value by up to 0.5%."""
+    lo, hi = num * 0.995 / (den * 1.005), num * 1.005 / (den * 0.995)
+    return lo - 0.005 <= ratio <= hi + 0.005
+
+
 def convmixer_256_8_train_gflops():
     """Closed form at 32 px: 3 x 2 x multiply-adds of the convs and the head (k5, p2: 16x16 grid)."""
     dim, depth, k, p, grid = 256, 8, 5, 2, 16
@@ -74,7 +81,7 @@ def test_model_table_columns_values_and_flops(quick_run):
     r = rows[0]
     assert (r['model'], r['px'], r['batch'], r['dtype'], r['mode']) == ('convmixer_256_8', '32', '4', 'fp32', 'eager')
     ours, timm, ratio = positive(r['ours img/s']), positive(r['timm img/s']), positive(r['ours/timm'])
-    assert close(ratio, ours / timm)
+    assert ratio_of_printed(ratio, ours, timm)
     assert close(positive(r['ours train GFLOP/img']), convmixer_256_8_train_gflops())
     # Peak memory of a training step at batch 4 holds at least the weights, grads and AdamW state.
     assert positive(r['ours peak MiB']) >= 4 * 594_186 * 4 / 2**20
@@ -85,7 +92,7 @@ def test_sam_table(quick_run):
     rows = markdown_tables(quick_run)[' | '.join(SAM_COLUMNS)]
     assert [r['model'] for r in rows] == ['convmixer_256_8']
     base, sam, ratio = (positive(rows[0][c]) for c in ('base ms/step', 'SAM ms/step', 'SAM/base'))
-    assert close(ratio, sam / base)
+    assert ratio_of_printed(ratio, sam, base)
 
 
 def test_data_table(quick_run):
