@@ -891,7 +891,7 @@ def main(argv=None):
             if args.clip_norm > 0:
                 scaler.unscale_(opt)
                 nn.utils.clip_grad_norm_(raw.parameters(), args.clip_norm)
-            scaler.step(opt)  # with SAM: w <- w - eps-hat, then the AdamW step with g_SAM
+            scaler.step(opt)  # with SAM: w restored from its saved copy, then the AdamW step with g_SAM
             scaler.update()
             opt.zero_grad(set_to_none=True)
             step += 1
