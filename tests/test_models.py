@@ -152,6 +152,36 @@ def test_logits_equal_timm(family, name, overrides, timm_cls, timm_kw, size):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
+GRADIENT_CASES = [  # small configs in train mode: BatchNorm uses batch statistics
+    ('vit', dict(img_size=32, patch_size=8, dim=64, depth=2, heads=4, num_classes=10), TimmViT,
+     dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)),
+    ('mixer', dict(img_size=32, patch_size=8, dim=64, depth=2, num_classes=10), TimmMixer,
+     dict(img_size=32, patch_size=8, embed_dim=64, num_blocks=2, num_classes=10)),
+    ('convmixer', dict(dim=32, depth=2, kernel_size=5, patch_size=2, num_classes=10), TimmConvMixer,
+     dict(dim=32, depth=2, kernel_size=5, patch_size=2, num_classes=10)),
+]
+
+
+@pytest.mark.parametrize('family,ours_kw,timm_cls,timm_kw', GRADIENT_CASES, ids=[c[0] for c in GRADIENT_CASES])
+def test_gradients_equal_timm(family, ours_kw, timm_cls, timm_kw):
+    """The speed changes (ViT's class-token-only last block, Mixer's baddbmm, ConvMixer's in-place
+    residual) keep the backward pass: every gradient and BN running stat equals timm's."""
+    torch.manual_seed(0)
+    theirs = randomise(timm_cls(**timm_kw)).train()
+    cls = {'vit': vit.VisionTransformer, 'mixer': mixer.MlpMixer, 'convmixer': convmixer.ConvMixer}[family]
+    ours = cls(**ours_kw).train()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    x = torch.randn(4, 3, 32, 32)
+    for model in (theirs, ours):
+        model(x).square().mean().backward()
+    ref = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        assert ref[name].grad.abs().max() > 0 or name.endswith('bias'), name
+        torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, b), b_ref in zip(ours.named_buffers(), theirs.buffers()):
+        torch.testing.assert_close(b, b_ref, rtol=0, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize('size', [160, 288])
 def test_vit_other_input_size_matches_timm_dynamic_size(size):
     """Built for 224 px, run at another size: the position grid is resampled as timm does."""

@@ -190,7 +190,7 @@ def test_resume_is_bit_identical(cifar10_dir, tmp_path):
 # -----------------------------------------------------------------------------
 # 4. Bad input: a clear message on stderr, a non-zero exit, no traceback.
 @pytest.mark.parametrize('case', ['no-data-offline', 'unknown-model', 'missing-resume', 'corrupt-resume',
-                                  'batch-size-0'])
+                                  'batch-size-0', 'batch-not-divisible-by-world'])
 def test_bad_input(case, tmp_path):
     bad = tmp_path / 'corrupt.pt'
     bad.write_bytes(b'not a checkpoint' * 10)
@@ -200,8 +200,11 @@ def test_bad_input(case, tmp_path):
         'missing-resume': (['--resume', tmp_path / 'nope.pt'], ['not found', 'nope.pt']),
         'corrupt-resume': (['--resume', bad], ['not a readable checkpoint', 'corrupt.pt']),
         'batch-size-0': (['--batch-size', 0], ['--batch-size must be a positive integer']),
+        'batch-not-divisible-by-world': (['--batch-size', 512], ['--batch-size 512 (global)', 'world size 3']),
     }[case]
-    proc = run(*args, '--out', tmp_path / 'out', extra_env=OFFLINE, timeout=300)
+    # torchrun's environment for rank 0 of 3: the check comes before any process group is made
+    world = {'RANK': '0', 'LOCAL_RANK': '0', 'WORLD_SIZE': '3'} if 'world' in case else {}
+    proc = run(*args, '--out', tmp_path / 'out', extra_env={**OFFLINE, **world}, timeout=300)
     assert proc.returncode != 0
     assert 'Traceback' not in proc.stderr, proc.stderr
     for word in expect:
@@ -355,11 +358,18 @@ def test_ra_sync_free_path_equals_subset_path(images):
         signed = torch.tensor([n in tc.RA_SIGNED for n in tc.RA_OPS])
         mag = table[op] * torch.where(signed[op] & (torch.rand(B, generator=gen) < 0.5), -1.0, 1.0).double()
         a = tc.apply_ra_ops(x, op, mag, sync_free=True)
-        b = tc.apply_ra_ops(x, op, mag, sync_free=False)
+        b = tc.apply_ra_ops(x.clone(), op, mag, sync_free=False)  # this path works in place
         assert torch.equal(a, b)
         per_sample = torch.stack([torchvision_ra(img, tc.RA_OPS[o], v) for img, o, v in
                                   zip(images, op.tolist(), mag.tolist())]).float()
         assert (a != per_sample).float().mean() <= 1e-3
+
+
+def test_flip_samples_both_paths(images):
+    flip = torch.rand(len(images), generator=torch.Generator().manual_seed(3)) < 0.5
+    ref = torch.stack([img.flip(2) if f else img for img, f in zip(images.float(), flip)])
+    assert torch.equal(tc.flip_samples_(images.float(), flip, sync_free=True), ref)
+    assert torch.equal(tc.flip_samples_(images.float(), flip, sync_free=False), ref)
 
 
 def test_resized_crop_flip_matches_torchvision(images):
