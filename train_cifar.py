@@ -370,7 +370,9 @@ def equalize(x):
     # one histogram of B*C*256 bins: channel i's pixel value v counts in bin 256*i + v
     bins = (x.reshape(B * C, H * W).int() + torch.arange(0, B * C * 256, 256, dtype=torch.int32,
                                                           device=x.device)[:, None]).view(-1)
-    hist = torch.bincount(bins, minlength=B * C * 256).view(B * C, 256)
+    ones = torch.ones((), dtype=torch.int32, device=x.device).expand(bins.shape)
+    hist = torch.zeros(B * C * 256, dtype=torch.int32, device=x.device).index_add_(0, bins, ones)
+    hist = hist.view(B * C, 256)  # (torch.bincount would be faster on CPU but syncs the host on CUDA)
     cdf = hist.cumsum(1)
     last = cdf.argmax(1, keepdim=True)  # the last non-empty bin: the first to reach the total
     step = ((H * W - hist.gather(1, last)) // 255).double()  # (B*C, 1): PIL's step
@@ -385,8 +387,9 @@ def affine_grid_sample(x, matrix, mode='nearest'):
     """Sample x through per-sample inverse affine maps (B, 2, 3) that take output pixel centres to
     input coordinates, both centred on the image middle (torchvision's convention); zero fill."""
     B, C, H, W = x.shape
-    px = (torch.arange(W, dtype=x.dtype, device=x.device) - (W - 1) / 2).repeat(H)  # (H*W,) pixel centres
-    py = (torch.arange(H, dtype=x.dtype, device=x.device) - (H - 1) / 2).repeat_interleave(W)
+    xs = torch.arange(W, dtype=x.dtype, device=x.device) - (W - 1) / 2
+    ys = torch.arange(H, dtype=x.dtype, device=x.device) - (H - 1) / 2
+    px, py = xs.expand(H, W).reshape(-1), ys[:, None].expand(H, W).reshape(-1)  # (H*W,) pixel centres
     # (No torch.tensor(..., device=cuda) in here or anywhere in the step: that copy syncs the host.)
     theta = torch.stack([matrix[:, 0] / (W / 2), matrix[:, 1] / (H / 2)], 1).unsqueeze(-1)  # (B, 2, 3, 1), scaled like torchvision
     # torchvision's grid is [x, y, 1] @ theta; the same products and sums in the same order, laid
