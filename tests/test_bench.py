@@ -145,3 +145,24 @@ def test_peak_memory_sees_a_known_allocation():
     if mem.method == 'VmHWM':  # resettable: a fresh measurement does not remember the 64 MiB
         mem.reset()
         assert mem.peak() < 16
+
+
+def test_gpu_mfu_section_arithmetic(monkeypatch):
+    """Section 4 runs only on CUDA; its arithmetic is checked here with a named device and made-up
+    rows: achieved = img/s x 3 x forward FLOPs, MFU = achieved / the device's dense bf16 peak."""
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: 'NVIDIA H200')
+    rows = [dict(name='vit_b16', px=224, batch=64, dtype='bf16', mode='eager', ours_imgs=1000.0,
+                 timm_imgs=900.0, gflops=16.5, gflops_timm=17.6),
+            dict(name='mixer_b16', error='compile failed')]  # an errored row is left out
+    args = type('Args', (), {'dtype': 'bf16'})()
+    out = '\n'.join(bench.run_gpu(args, 'cuda', rows))
+    assert 'NVIDIA H200, peak 989 TFLOP/s dense bf16' in out
+    table = markdown_tables(out)['model | side | px | batch | dtype | mode | img/s | TFLOP/s | MFU']
+    assert [(r['model'], r['side']) for r in table] == [('vit_b16', 'ours'), ('vit_b16', 'timm')]
+    for r, imgs, gflops in zip(table, (1000.0, 900.0), (16.5, 17.6)):
+        achieved = imgs * 3 * gflops * 1e9
+        assert close(float(r['TFLOP/s']), achieved / 1e12)
+        assert abs(float(r['MFU'].rstrip('%')) - 100 * achieved / 989e12) < 0.051
+    args.dtype = 'fp32'  # no fp32 peak in the table: MFU is not made up
+    out = '\n'.join(bench.run_gpu(args, 'cuda', rows[:1]))
+    assert 'n/a (not in the table, or not bf16)' in out and out.count('| n/a |') == 2
