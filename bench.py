@@ -5,7 +5,7 @@ command, ready for the README "Performance" section.
   1. Training step, ours vs timm: fwd + bwd + AdamW(foreach=True) img/s of our model and of timm's
      model of the same config, same weights, same batch and dtype. The two sides (and the SAM step
      of section 2) take turns within every repeat, so load changes hit both; median over repeats.
-     Also the peak memory of each side and the model's forward FLOPs.
+     Also the peak memory of each side and the model's training FLOPs (3x forward).
   2. SAM overhead: one full SAM step (two fwd/bwd, first_step, second_step incl. AdamW) over one
      base step (one fwd/bwd + AdamW), same model, same batch.
   3. CIFAR augmentation: train_cifar.make_augment at its default recipe on uint8 batches, against
@@ -58,7 +58,7 @@ ROWS = {
 
 # Dense bf16 tensor-core peak FLOP/s (vendor data sheets, without sparsity), matched in order
 # against torch.cuda.get_device_name(); unknown GPUs print 'n/a' for MFU.
-PEAK_BF16 = [('H200', 989e12), ('H100 PCIe', 756e12), ('H100', 989e12), ('A100', 312e12),
+PEAK_BF16 = [('H200', 989e12), ('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H100', 989e12), ('A100', 312e12),
              ('L40S', 362e12), ('L4', 121e12)]
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2471, 0.2435, 0.2616)  # locuslab's values
@@ -122,7 +122,7 @@ def get_args(argv=None):
     if args.clock == 'cpu' and args.device == 'cuda':
         p.error('--clock cpu measures CPU time: use it with --device cpu')
     if args.cifar_epoch and not args.cifar_data:
-        p.error('--cifar-epoch needs --cifar-data DIR (the cifar10/{train,test}/<class>/*.jpg tree)')
+        p.error("--cifar-epoch needs --cifar-data DIR (either of train_cifar.py's --data layouts)")
     cuda = args.device == 'cuda'
     args.dtype = args.dtype or ('bf16' if cuda else 'fp32')
     for name in ('batch', 'img_size', 'repeats', 'steps', 'warmup', 'data_images', 'threads'):
@@ -244,8 +244,6 @@ def fmt(x, digits=3):
     """Significant digits, no exponent: 1234 -> 1234, 12.345 -> 12.3, 0.01234 -> 0.0123."""
     if x is None:
         return '—'
-    if isinstance(x, str):
-        return x
     if x == 0 or not math.isfinite(x):
         return str(x)
     decimals = max(0, digits - 1 - int(math.floor(math.log10(abs(x)))))
@@ -259,20 +257,25 @@ def log(*a):
 # -----------------------------------------------------------------------------
 # Sections 1 and 2: one row = our model and timm's, same weights, base and SAM steps interleaved.
 
-def build_timm(name):
+def size_kw(name, px):
+    """ViT and Mixer are built for one input size (both sides alike); ConvMixer takes any."""
+    return {} if ROWS[name]['family'] == 'convmixer' else {'img_size': px}
+
+
+def build_timm(name, px):
     import timm
     spec = ROWS[name]
     if isinstance(spec['timm'], dict):
         from timm.models.convmixer import ConvMixer as TimmConvMixer
         return TimmConvMixer(**spec['timm'])
-    return timm.create_model(spec['timm'], pretrained=False)
+    return timm.create_model(spec['timm'], pretrained=False, **size_kw(name, px))
 
 
-def build_ours(name):
+def build_ours(name, px):
     import convmixer
     import mixer
     import vit
-    return {'vit': vit, 'mixer': mixer, 'convmixer': convmixer}[ROWS[name]['family']].create(name)
+    return {'vit': vit, 'mixer': mixer, 'convmixer': convmixer}[ROWS[name]['family']].create(name, **size_kw(name, px))
 
 
 def sizes(name, args):
@@ -312,8 +315,9 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.05, foreach=True)
 
 
-def bench_row(name, mode, args, device, want_sam):
-    """Time ours / timm / (ours with SAM) for one row in one mode ('eager' or 'compile')."""
+def bench_row(name, mode, args, device, want_sam, time_timm=True):
+    """Time ours / timm / (ours with SAM) for one row in one mode ('eager' or 'compile').
+    time_timm=False builds timm's model only for its weights (section 3 needs just ours)."""
     px, batch = sizes(name, args)
     family = ROWS[name]['family']
     amp_dtype = torch.bfloat16 if args.dtype == 'bf16' else None
@@ -330,32 +334,28 @@ def bench_row(name, mode, args, device, want_sam):
     # AdamW state and activations. The side built first (timm) is warmed before ours exists.
     steps = {}
     mem_build = mode == 'eager' or device.type == 'cuda'  # CPU RSS under compile counts the compiler
-    models = {}
-    for side in ('timm', 'ours'):
+    for side in ('timm', 'ours'):  # ours last: `module` and `model` below are ours
         mem.reset()
         if side == 'timm':
-            module = theirs = build_timm(name).to(device)
+            module = theirs = build_timm(name, px).to(device)
             y = torch.randint(0, theirs.num_classes, (batch,), generator=g).to(device)
+            if not time_timm:
+                continue
         else:
-            module = build_ours(name).to(device)
+            module = build_ours(name, px).to(device)
             module.load_state_dict(theirs.state_dict())  # timm-identical keys: same weights both sides
         module = module.to(memory_format=fmt_).train()
         model = torch.compile(module) if mode == 'compile' else module
-        opt = adamw(module.parameters())
-        steps[side] = train_step(model, opt, x, y, amp)
-        models[side] = (module, model)
-        t0 = time.perf_counter()
+        steps[side] = train_step(model, adamw(module.parameters()), x, y, amp)
         for _ in range(args.warmup):
             steps[side]()
         sync(device)
-        result[f'{side}_warmup_s'] = time.perf_counter() - t0
         result[f'{side}_peak_mib'] = mem.peak() if mem_build else None
     result['mem_method'] = mem.method
-    result['gflops'] = forward_gflops(lambda: build_ours(name), px)
-    result['gflops_timm'] = forward_gflops(lambda: build_timm(name), px)
+    result['gflops'] = forward_gflops(lambda: build_ours(name, px), px)
+    result['gflops_timm'] = forward_gflops(lambda: build_timm(name, px), px)
     if want_sam:
         from sam import SAM
-        module, model = models['ours']
         sam = SAM(module.parameters(), torch.optim.AdamW, rho=0.05, lr=1e-4, weight_decay=0.05, foreach=True)
         steps['sam'] = sam_train_step(model, module, sam, x, y, amp)
         for _ in range(args.warmup):
@@ -378,10 +378,20 @@ def bench_row(name, mode, args, device, want_sam):
     for k in names:
         result[f'{k}_s'] = statistics.median(times[k])
         result[f'{k}_imgs'] = batch / result[f'{k}_s']
-    result['ratio'] = result['ours_imgs'] / result['timm_imgs']
+    if time_timm:
+        result['ratio'] = result['ours_imgs'] / result['timm_imgs']
     if want_sam:
         result['sam_over_base'] = result['sam_s'] / result['ours_s']
     return result
+
+
+def vit_flops_note(results):
+    """How many fewer FLOPs our ViT rows count than timm's (their last block updates only the
+    class token, the one token the head reads), measured per row; '' without a ViT row."""
+    parts = [f"{r['name']} at {r['px']} px {100 * (1 - r['gflops'] / r['gflops_timm']):.1f}%"
+             for r in results if 'gflops' in r and r['mode'] == 'eager' and ROWS[r['name']]['family'] == 'vit']
+    return (' but for ViT, where ours skips the last block\'s work on the tokens the head never reads: '
+            + ', '.join(parts) + ' fewer') if parts else ''
 
 
 def run_models(args, device, want_model, want_sam):
@@ -409,11 +419,11 @@ def run_models(args, device, want_model, want_sam):
                          fmt(r['timm_imgs']), f"{r['ratio']:.2f}", fmt(3 * r['gflops']),
                          fmt(r['ours_peak_mib']), fmt(r['timm_peak_mib'])])
         method = next((r['mem_method'] for r in results if 'mem_method' in r), '')
+        skipped = vit_flops_note(results)
         out += ['### 1. Training step: ours vs timm',
                 f'fwd + bwd + AdamW(foreach=True), same weights, batch and dtype; {args.clock}-clock median '
                 f'of {args.repeats} repeats of {args.steps} step(s), the sides taking turns. train GFLOP/img = '
-                f"3 x forward (FlopCounterMode); timm's is the same but for ViT, where ours skips the last "
-                f"block's work on tokens the head never reads (6.3% fewer). Peak MiB: memory added by "
+                f"3 x forward (FlopCounterMode), the same on both sides{skipped}. Peak MiB: memory added by "
                 f'building the model + its optimizer and running {args.warmup} training step(s) ({method}). '
                 f'ConvMixer rows: '
                 f'{"channels_last" if args.channels_last == "on" else "NCHW"} on both sides.', '',
@@ -524,11 +534,10 @@ def run_data(args, device, model_results):
                      nthreads or '—', bsz, fmt(r), f"{r / rates['ref']:.1f}"])
 
     # The default model's training speed: section 1's eager row when it ran, else measured here.
-    train = next((r for r in model_results if r['name'] == 'convmixer_256_8' and r.get('mode') == 'eager'
-                  and 'error' not in r), None)
+    train = next((r for r in model_results if r['name'] == 'convmixer_256_8' and r['mode'] == 'eager'), None)
     if train is None:
         log('[bench] convmixer_256_8 training speed for section 3 ...')
-        train = bench_row('convmixer_256_8', 'eager', args, device, want_sam=False)
+        train = bench_row('convmixer_256_8', 'eager', args, device, want_sam=False, time_timm=False)
     rows.append([f"model: convmixer_256_8 training step (ours, {train['dtype']}, {train['layout']})",
                  device.type, threads if device.type == 'cpu' else '—', train['batch'],
                  fmt(train['ours_imgs']), '—'])
@@ -590,8 +599,8 @@ def run_gpu(args, device, results):
     peak_txt = f'{peak / 1e12:.0f} TFLOP/s dense bf16' if peak else 'n/a (not in the table, or not bf16)'
     return ['### 4. GPU: achieved FLOP/s and MFU',
             f'{name}, peak {peak_txt}; cudnn.benchmark and TF32 on, as in the training scripts. Training '
-            f'FLOPs = 3 x forward (FlopCounterMode), each side its own (our ViT skips most of the last '
-            f'block for the non-class tokens: 6% fewer). MFU = achieved / peak.', '',
+            f'FLOPs = 3 x forward (FlopCounterMode), each side its own{vit_flops_note(results)}. '
+            f'MFU = achieved / peak.', '',
             table(['model', 'side', 'px', 'batch', 'dtype', 'mode', 'img/s', 'TFLOP/s', 'MFU'], rows), '']
 
 

@@ -78,7 +78,8 @@ Why each piece is where it is:
       hands it found_inf (and grad_scale if unscale_ was not called). SAM.step restores w first
       and only then skips the base step when found_inf is set. A perturbed w is never left behind,
       which would happen with a plain optimizer, whose step() GradScaler simply does not call.
-  One host sync per step reads the norm (GradScaler syncs as well).
+  One host sync per step reads the norm (one per device and dtype among the parameters); with an
+  enabled GradScaler, SAM.step reads found_inf (one more).
 * Clipping. Clip the second gradient, after scaler.unscale_ and before scaler.step / second_step.
   Clipping the first gradient does nothing: it rescales g and eps = rho*g/||g|| ignores the scale
   (for ASAM too).
@@ -131,9 +132,7 @@ class SAM(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         if not hasattr(self, 'base_optimizer'):  # Optimizer.__init__, before the base exists
             return super().add_param_group(param_group)
-        for key in ('rho', 'adaptive', 'eta'):
-            param_group.setdefault(key, self.defaults[key])
-        self.base_optimizer.add_param_group(param_group)  # appends to the shared list
+        self.base_optimizer.add_param_group(self._sam_keys(param_group))  # appends to the shared list
 
     @torch.no_grad()
     def first_step(self, zero_grad=False):
@@ -155,13 +154,12 @@ class SAM(torch.optim.Optimizer):
                 t = torch._foreach_abs(params)
                 torch._foreach_add_(t, group['eta'])        # T = |w| + eta
                 direction = torch._foreach_mul(t, grads)      # T g: its norm is the denominator
-                norm_terms += direction
             else:
                 t, direction = None, grads                    # g
-                norm_terms += grads
+            norm_terms += direction
             groups.append((group, params, t, direction))
 
-        norm = _global_norm(norm_terms)  # ||g|| or ||T g|| over all parameters; one host sync
+        norm = _global_norm(norm_terms)  # ||g|| or ||T g|| over all parameters; a host sync
         if not math.isfinite(norm):      # fp16 overflow: keep w and the non-finite grads
             self._moved = []
             return
@@ -203,18 +201,15 @@ class SAM(torch.optim.Optimizer):
             self.second_step()
             return loss
 
-        found_inf = getattr(self, 'found_inf', None)
-        if found_inf is None:  # a plain call, or a disabled GradScaler
-            self.second_step()
-            return None
+        found_inf = getattr(self, 'found_inf', None)  # set only by an enabled GradScaler
         with torch.no_grad():
-            self._restore()
-            if float(found_inf) > 0:  # overflow in either pass: skip; GradScaler lowers the scale
+            if found_inf is not None and float(found_inf) > 0:  # overflow in either pass: restore w,
+                self._restore()                                 # skip; GradScaler lowers the scale
                 return None
             grad_scale = getattr(self, 'grad_scale', None)
             if grad_scale is not None:  # user did not call scaler.unscale_: unscale like it does
                 self._unscale(grad_scale)
-            self.base_optimizer.step()
+        self.second_step()
         return None
 
     def state_dict(self):
@@ -227,10 +222,15 @@ class SAM(torch.optim.Optimizer):
         self.param_groups = self.base_optimizer.param_groups
         self.state = self.base_optimizer.state
         for group in self.param_groups:
-            for key in ('rho', 'adaptive', 'eta'):
-                group.setdefault(key, self.defaults[key])
+            self._sam_keys(group)
 
     # --- helpers -------------------------------------------------------------------------------
+    def _sam_keys(self, group):
+        """Fill in rho, adaptive and eta the group does not set, from the constructor's values."""
+        for key in ('rho', 'adaptive', 'eta'):
+            group.setdefault(key, self.defaults[key])
+        return group
+
     def _buffers(self, params):
         """Persistent buffers for w (allocated once; re-made if a param changed shape/device)."""
         bufs = []

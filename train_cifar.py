@@ -515,7 +515,9 @@ def pad_crop_flip(x_u8, dy, dx, flip, pad=4):
 def flip_samples_(x, flip, sync_free=None):
     """Mirror the samples b of x (B, C, H, W) where flip[b] is True. As in apply_ra_ops, sync_free
     (default on CUDA) uses one where(); otherwise the subset is flipped in x in place (~2x faster)."""
-    if sync_free if sync_free is not None else x.device.type != 'cpu':
+    if sync_free is None:
+        sync_free = x.device.type != 'cpu'
+    if sync_free:
         return torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
     idx = flip.nonzero()[:, 0]
     return x.index_copy_(0, idx, x.index_select(0, idx).flip(3))

@@ -20,7 +20,8 @@ Two recipes, each a set of flag defaults (every flag can still be overridden):
 
 --batch-size is the GLOBAL batch of one optimizer step: it is split over the processes and then
 into --accum-steps micro-batches, so a recipe means the same thing on 1 GPU or 64.
-Resuming continues exactly (same data order, augmentations and RNG) mid-epoch, on any world size.
+Resuming continues mid-epoch exactly (data order, augmentations and RNG); on another world size
+the data order and augmentations still do, dropout/mixup draws do not.
 """
 import argparse
 import ast
@@ -261,7 +262,9 @@ class ResumableSampler(torch.utils.data.DistributedSampler):
     """
 
     def __init__(self, dataset, num_replicas, rank, seed, per_step):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        # drop_last: no padding with repeated images, so steps = N // global batch on any world size
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
+                         drop_last=True)
         self.per_step = per_step  # samples this process consumes per optimizer step
         self.steps = self.num_samples // per_step  # optimizer steps per epoch; the tail is dropped
         self.start_step = 0
@@ -375,7 +378,8 @@ def train_step(model, optimizer, scaler, micro, loss_fn, autocast, *, sam, clip_
     all k micro-batches without any all-reduce (first_pass: m-sharpness, each replica its own
     eps-hat), then perturbs ONCE, w <- w + rho g/||g||; the second pass accumulates g_SAM at that one
     point and all-reduces on its last micro-batch; the base step then starts from the restored w.
-    Returns the mean loss of the (first) pass and the pre-clipping gradient norm, as tensors.
+    Returns the mean loss of the (first) pass and the pre-clipping gradient norm (0 when clipping
+    is off), as tensors.
     """
     k = len(micro)
     no_sync = getattr(model, 'no_sync', None)  # DDP (also through torch.compile's wrapper)
@@ -425,9 +429,9 @@ def evaluate(model, loader, device, autocast, channels_last, distributed):
             logits = model(x)
         logits = logits.float()
         hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]  # (B, 5)
-        stats += torch.stack([F.cross_entropy(logits, y, reduction='sum').double(),
-                              hit[:, 0].sum().double(), hit.any(1).sum().double(),
-                              torch.tensor(float(len(y)), dtype=torch.float64, device=device)])
+        stats[:3] += torch.stack([F.cross_entropy(logits, y, reduction='sum').double(),
+                                  hit[:, 0].sum().double(), hit.any(1).sum().double()])
+        stats[3] += len(y)  # a Python number: no host-to-device copy (which would sync)
     if distributed:
         dist.all_reduce(stats)
     model.train(was_training)

@@ -173,7 +173,7 @@ class VisionTransformer(nn.Module):
         super().__init__()
         assert pool in ('token', 'avg'), f"pool must be 'token' or 'avg', got {pool!r}"
         assert gelu in ('exact', 'tanh'), f"gelu must be 'exact' or 'tanh', got {gelu!r}"
-        self.pool, self.num_classes, self.patch_size = pool, num_classes, patch_size
+        self.pool, self.num_classes = pool, num_classes
         self.grid = (img_size // patch_size, img_size // patch_size)
         self.num_prefix_tokens = 1 if pool == 'token' else 0
         num_tokens = self.grid[0] * self.grid[1] + self.num_prefix_tokens
@@ -218,8 +218,8 @@ class VisionTransformer(nn.Module):
         if isinstance(self.pre_logits, nn.Sequential):
             lecun_normal_(self.pre_logits.fc.weight)  # Flax nn.Dense default (bias stays zero)
         nn.init.zeros_(self.patch_embed.proj.bias)
-        # The official code uses normal(0.02); truncating at +-2 std changes almost nothing and
-        # matches timm.
+        # The official code uses normal(0.02). trunc_normal_'s bounds are +-2 absolute (100 std), so
+        # nothing is truncated: this is normal(0.02), in timm's words.
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.zeros_(self.cls_token)

@@ -102,9 +102,14 @@ def test_data_table(quick_run):
     assert ours['pipeline'].startswith('ours') and ours['threads'] == '1' and ours['batch'] == '512'
     assert model['pipeline'].startswith('model: convmixer_256_8') and model['batch'] == '4'
     assert close(positive(ours['vs reference']), positive(ours['img/s']) / positive(ref['img/s']), sig=2)
-    positive(model['img/s'])
-    assert re.search(r'Per core: ours / reference = [\d.]+x', quick_run)
-    assert re.search(r'Estimated training time per epoch of the default CIFAR run here: [\d,]+ s', quick_run)
+    pipe, train = positive(ours['img/s']), positive(model['img/s'])  # one thread: this row is the pipeline
+    per_core = float(re.search(r'Per core: ours / reference = ([\d.]+)x', quick_run).group(1))
+    assert per_core == float(ours['vs reference'])
+    over = float(re.search(r'/ model training \([\d.]+ img/s\) = ([\d.]+)x', quick_run).group(1))
+    assert ratio_of_printed(over, pipe, train)
+    # closed form: 97 steps of 512 images (the last partial batch dropped), augment then train
+    epoch = float(re.search(r'default CIFAR run here: ([\d,]+) s', quick_run).group(1).replace(',', ''))
+    assert epoch == pytest.approx(50_000 // 512 * 512 * (1 / pipe + 1 / train), rel=0.011, abs=0.6)
 
 
 def test_unknown_row_is_a_clear_error():
@@ -114,16 +119,18 @@ def test_unknown_row_is_a_clear_error():
     assert 'resnet50' in proc.stderr and all(name in proc.stderr for name in bench.ROWS)
 
 
-def test_every_row_is_the_same_config_on_both_sides():
+@pytest.mark.parametrize('size', ['table', 112])
+def test_every_row_is_the_same_config_on_both_sides(size):
     """Ours takes timm's state dict strictly and counts the same FLOPs, except our ViT, which skips
-    exactly the last block's work on the tokens its class-token head never reads."""
+    exactly the last block's work on the tokens its class-token head never reads; at the rows' own
+    size and at another (--img-size)."""
     for name in bench.ROWS:
+        px = bench.ROWS[name]['cpu'][0] if size == 'table' else size
         with torch.device('meta'):
-            ours, theirs = bench.build_ours(name), bench.build_timm(name)
+            ours, theirs = bench.build_ours(name, px), bench.build_timm(name, px)
         ours.load_state_dict(theirs.state_dict(), strict=True, assign=True)
-        px = bench.ROWS[name]['cpu'][0]
-        f_ours = bench.forward_gflops(lambda: bench.build_ours(name), px)
-        f_timm = bench.forward_gflops(lambda: bench.build_timm(name), px)
+        f_ours = bench.forward_gflops(lambda: bench.build_ours(name, px), px)
+        f_timm = bench.forward_gflops(lambda: bench.build_timm(name, px), px)
         if name.startswith('vit'):
             D, N = ours.pos_embed.shape[-1], ours.pos_embed.shape[1]  # width, tokens incl. class
             hidden = ours.blocks[-1].mlp.fc1.out_features
@@ -166,3 +173,34 @@ def test_gpu_mfu_section_arithmetic(monkeypatch):
     args.dtype = 'fp32'  # no fp32 peak in the table: MFU is not made up
     out = '\n'.join(bench.run_gpu(args, 'cuda', rows[:1]))
     assert 'n/a (not in the table, or not bf16)' in out and out.count('| n/a |') == 2
+
+
+def test_sam_step_runs_two_passes_and_moves_like_sam():
+    """The timed SAM step is a real SAM step: two forward passes against the base step's one, and
+    the same update as SAM's own step(closure), which is not the plain step's. (SGD as the base
+    optimizer here, so that a different gradient shows in the update.)"""
+    from sam import SAM
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))  # noqa: E731
+    no_amp = lambda: torch.autocast('cpu', enabled=False)  # noqa: E731
+    plain, ours, ref = make(), make(), make()
+    for m in (ours, ref):
+        m.load_state_dict(plain.state_dict())
+    calls = []
+    for m in (plain, ours):
+        m.register_forward_hook(lambda *a, m=m: calls.append(m))
+    bench.train_step(plain, torch.optim.SGD(plain.parameters(), lr=0.5), x, y, no_amp)()
+    bench.sam_train_step(ours, ours, SAM(ours.parameters(), torch.optim.SGD, rho=0.5, lr=0.5), x, y, no_amp)()
+    assert (calls.count(plain), calls.count(ours)) == (1, 2)
+    ref_opt = SAM(ref.parameters(), torch.optim.SGD, rho=0.5, lr=0.5)
+
+    def closure():
+        ref_opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        return loss
+    ref_opt.step(closure)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    assert max((p - w).abs().max() for p, w in zip(ours.parameters(), plain.parameters())) > 1e-3

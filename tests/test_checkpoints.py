@@ -247,13 +247,15 @@ def test_vit_npz_resamples_pos_embed_and_keeps_own_head(tmp_path):
     np.savez(tmp_path / 'ViT.npz', **vit_npz_arrays(source.state_dict()))
     model = vit.VisionTransformer(img_size=2 * IMG, patch_size=PATCH, dim=DIM, depth=DEPTH, heads=HEADS,
                                   num_classes=5)
-    head = model.head.weight.clone()
+    for p in model.head.parameters():
+        torch.nn.init.normal_(p)  # not the zero init, which a zeroed head would also equal
+    head = [p.detach().clone() for p in model.head.parameters()]
     with pytest.warns(UserWarning, match='10 classes'):
         vit.load_checkpoint(model, tmp_path / 'ViT.npz')
     expected = resample_abs_pos_embed(source.pos_embed.detach(), (8, 8), num_prefix_tokens=1,
                                       interpolation='bicubic', antialias=True)
     torch.testing.assert_close(model.pos_embed.detach(), expected)
-    torch.testing.assert_close(model.head.weight, head)  # untouched
+    assert all(torch.equal(p, q) for p, q in zip(model.head.parameters(), head))  # untouched
     torch.testing.assert_close(model.blocks[1].attn.qkv.weight, source.blocks[1].attn.qkv.weight)
 
 
