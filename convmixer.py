@@ -9,20 +9,13 @@ fixed (paper Fig. 2):
     logits  = Linear(GlobalAvgPool(z_d))
 
 Order is conv -> activation -> BatchNorm everywhere, and only the depthwise conv has a residual.
+Being fully convolutional, the model takes any input size (paper Sec. 2).
+
 State-dict keys equal timm's `ConvMixer` (stem.{0,2}, blocks.i.0.fn.{0,2}, blocks.i.{1,3}, head),
-so timm weights load with strict=True. Being fully convolutional, the model takes any input
-size (paper Sec. 2).
-
-Self-contained: imports only torch (and the standard library, to read checkpoints).
-`python convmixer.py` prints every config's parameter count. `load_checkpoint(model, path)` loads
-locuslab's released files, timm state_dicts and our training checkpoints (see "Checkpoints" below).
+so a timm state_dict (or our checkpoint's 'model') loads with plain `model.load_state_dict(sd)`;
+`from_locuslab(sd)` converts locuslab's released files. `python convmixer.py` prints every
+config's parameter count.
 """
-import argparse
-import os
-import warnings
-import zipfile
-from collections.abc import Mapping
-
 import torch
 import torch.nn as nn
 
@@ -48,9 +41,7 @@ class Residual(nn.Module):
         self.fn = fn
 
     def forward(self, x):
-        # In place on fn's fresh output, which BatchNorm's backward does not need (autograd would
-        # raise if it did): one activation-sized tensor fewer per block, 2-6% faster on CPU.
-        return self.fn(x).add_(x)
+        return self.fn(x) + x
 
 
 class ConvMixer(nn.Module):
@@ -60,8 +51,16 @@ class ConvMixer(nn.Module):
 
         activation: 'gelu' (paper default) or 'relu' (ConvMixer-768/32). dropout is applied to
         the pooled features before the head (timm's head_drop); the paper uses none.
+        Impossible shapes raise ValueError. Being fully convolutional, the model takes any input of
+        at least one patch; whether p divides the image size is the training script's check.
         """
         super().__init__()
+        for name, value in dict(dim=dim, depth=depth, kernel_size=kernel_size, patch_size=patch_size,
+                                in_chans=in_chans).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f'{name} must be a positive integer, got {value!r}')
+        if activation not in ('gelu', 'relu'):
+            raise ValueError(f"activation must be one of ('gelu', 'relu'), got {activation!r}")
         act = {'gelu': nn.GELU, 'relu': nn.ReLU}[activation]
         self.num_classes = num_classes
         # patch embedding, eq. (1): a p x p conv with stride p is a per-patch linear map
@@ -99,144 +98,34 @@ class ConvMixer(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# ---- Checkpoints ----
-# load_checkpoint(model, path) loads, in place, whichever of these `path` holds:
-#   1. the .pth.tar files the locuslab/convmixer README links (github.com/tmp-iclr/convmixer,
-#      release v1.0): the flat nn.Sequential of their convmixer.py. 0.* = stem conv, 2.* = stem BN,
-#      {3+i}.0.fn.{0,2}.* = block i's depthwise conv and BN, {3+i}.{1,3}.* = its pointwise conv and
-#      BN, {depth+5}.* = head (depth+3 and depth+4 are the parameter-free pool and flatten); bare or
-#      under 'state_dict';
-#   2. a timm state_dict (our keys are timm's, as in the timm-v1.0 re-release), bare or inside
-#      timm's train checkpoint ('state_dict');
-#   3. our training checkpoint (a dict whose 'model' is the state_dict);
-#   with 'module.' (DDP) and '_orig_mod.' (torch.compile) prefixes stripped.
-# A head for another number of classes is skipped with a warning, leaving the model's own head.
-# Anything else is a ValueError that names the first key that does not fit and both shapes.
-# Preprocessing: the released models expect ImageNet's mean/std, (x - (0.485, 0.456, 0.406)) /
-# (0.229, 0.224, 0.225) on RGB in [0, 1] (timm's defaults, with which they were trained); their
-# timm config evaluates at 224 px after a resize to 224 / 0.96 = 233 px (crop_pct 0.96, bicubic).
+def from_locuslab(state_dict):
+    """locuslab's released .pth.tar (github.com/tmp-iclr/convmixer v1.0, linked from the
+    locuslab/convmixer README; after torch.load and taking 'state_dict', without 'module.') ->
+    our (timm's) keys. Their model is one flat nn.Sequential: 0 = stem conv, 2 = stem BN,
+    3+i = block i (same inner names as ours), depth+5 = head; 1, depth+3, depth+4 (activation,
+    pool, flatten) hold no parameters. A state_dict already in our keys comes back unchanged.
 
-
-def _read_checkpoint(path):
-    """What torch.load returns for `path` (tensors and plain containers only)."""
-    if isinstance(path, Mapping):  # an already-loaded checkpoint or state_dict
-        return dict(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f'no checkpoint file at {path}')
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-        if names and all(name.endswith('.npy') for name in names):
-            raise ValueError(f'{path} is a JAX .npz; ConvMixer was released as PyTorch files only')
-    try:  # weights_only: tensors and plain containers, never arbitrary code (timm adds an argparse.Namespace)
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:
-        unsafe = [line for line in str(e).splitlines() if 'Unsupported global: ' in line]
-        if unsafe:
-            name = unsafe[0].split('Unsupported global: ')[1].split(' was not')[0]
-            raise ValueError(f'{path} holds Python objects besides tensors ({name}), which '
-                             'torch.load(weights_only=True) refuses. If you trust the file: '
-                             'load_checkpoint(model, torch.load(path, weights_only=False))') from None
-        reason = 'not a pickle' if 'Weights only load failed' in str(e) else str(e).splitlines()[0]
-        raise ValueError(f'{path} is not a file torch.load reads '
-                         f'({type(e).__name__}: {reason})') from None
-
-
-def _state_dict_of(ckpt, what):
-    """The state_dict inside a torch checkpoint: ours keeps it under 'model', timm's train.py and
-    locuslab's under 'state_dict'. Strips the prefixes DDP ('module.') and torch.compile ('_orig_mod.') add."""
-    for key in ('model', 'state_dict'):
-        if isinstance(ckpt.get(key), Mapping):
-            ckpt = ckpt[key]
-            break
-    sd = {}
-    for k, v in ckpt.items():
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(f'{what}: {k!r} is a {type(v).__name__}, not a tensor: this is not a state_dict, '
-                             "nor a checkpoint holding one under 'model' or 'state_dict'")
-        parts = [p for p in k.split('.') if p != '_orig_mod']
-        while parts and parts[0] == 'module':
-            parts = parts[1:]
-        sd['.'.join(parts)] = v
-    return sd
-
-
-def _load_exactly(model, sd, what, origin):
-    """model.load_state_dict(sd) with strict=True, after finding the first key that does not fit and
-    saying so plainly (origin maps a converted key to the file's own name for it)."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    if len(missing) >= len(own) / 2:  # most of it missing: another kind of model altogether
-        raise ValueError(f'{what}: not a checkpoint for this {type(model).__name__}: {len(missing)} of its '
-                         f'{len(own)} keys are not in the file, the first {missing[0]!r}; the file has '
-                         f'{list(sd)[:3]}...')
-    name = lambda k: repr(k) + (f' (from {origin[k]!r})' if k in origin else '')
-    for k, v in own.items():
-        if k not in sd:
-            raise ValueError(f'{what}: the model has {k!r} {tuple(v.shape)} but the file does not')
-        if sd[k].shape != v.shape:
-            raise ValueError(f'{what}: {name(k)} has shape {tuple(sd[k].shape)} in the file but '
-                             f'{tuple(v.shape)} in the model')
-    extra = [k for k in sd if k not in own]
-    if extra:
-        raise ValueError(f'{what}: the file has {name(extra[0])} {tuple(sd[extra[0]].shape)}, which the '
-                         f'model does not ({len(extra)} such keys)')
-    model.load_state_dict(sd)
-
-
-def _keep_own_head(model, sd, what):
-    """A file trained for another number of classes (or a headless model): keep the model's head."""
-    w = sd.get('head.weight')
-    head = model.head
-    if w is None or (isinstance(head, nn.Linear) and w.shape == head.weight.shape):
-        return
-    if isinstance(head, nn.Linear) and w.shape[1:] != head.weight.shape[1:]:
-        return  # a different width is a real mismatch: let _load_exactly name it
-    warnings.warn(f'{what}: the file\'s head has {w.shape[0]} classes and the model {model.num_classes}; '
-                  'the head was not loaded (the model keeps its own)')
-    for key in ('head.weight', 'head.bias'):
-        sd.pop(key, None)
-        if isinstance(head, nn.Linear):
-            sd[key] = getattr(head, key.split('.')[1]).detach()
-
-
-def _from_locuslab(sd):
-    """locuslab's nn.Sequential indices -> our (timm's) names; the head is the last index."""
-    last = max(int(k.split('.')[0]) for k in sd)
-    depth = last - 5  # stem conv, act, BN, the blocks, pool, flatten, head
-    out, origin = {}, {}
-    for k, v in sd.items():
-        index, rest = k.split('.', 1)
-        index = int(index)
-        if index in (0, 2):
-            name = f'stem.{index}.{rest}'
-        elif 3 <= index < 3 + depth:
-            name = f'blocks.{index - 3}.{rest}'
-        elif index == last:
-            name = f'head.{rest}'
-        else:
-            name = k  # no such parameters in locuslab's model: reported as unexpected below
-        out[name], origin[name] = v, k
-    return out, origin
-
-
-@torch.no_grad()
-def load_checkpoint(model, path):
-    """Load the checkpoint at `path` (or an already-loaded checkpoint dict) into the ConvMixer
-    `model`, in place, and return the model. See the comment above for the layouts it recognises;
-    anything else raises ValueError naming the first mismatch."""
-    what = f'convmixer.load_checkpoint({path if not isinstance(path, Mapping) else "<dict>"})'
-    sd, origin = _state_dict_of(_read_checkpoint(path), what), {}
-    if sd and all(k.split('.')[0].isdigit() for k in sd):
-        sd, origin = _from_locuslab(sd)
-        what += ' [locuslab nn.Sequential]'
-    for k, v in model.state_dict().items():  # older files may lack BN's step counter; it is unused
-        if k.endswith('num_batches_tracked') and k not in sd:
-            sd[k] = v
-    _keep_own_head(model, sd, what)
-    _load_exactly(model, sd, what, origin)
-    return model
+    Preprocessing for the released models: ImageNet mean/std on RGB in [0, 1]; timm evaluates them
+    at 224 px after a bicubic resize to 224 / 0.96 = 233 px (crop_pct 0.96).
+    """
+    if not state_dict or not all(k.split('.')[0].isdigit() for k in state_dict):
+        return state_dict  # not locuslab's layout: ours/timm's, or something load_state_dict will name
+    last = max(int(k.split('.')[0]) for k in state_dict)  # the head
+    depth = last - 5
+    out = {}
+    for k, v in state_dict.items():
+        i, rest = k.split('.', 1)
+        i = int(i)
+        if i in (0, 2):
+            name = f'stem.{i}.{rest}'
+        elif 3 <= i < 3 + depth:
+            name = f'blocks.{i - 3}.{rest}'
+        else:  # the head, or an index with no parameters in locuslab's model (left for strict loading to name)
+            name = f'head.{rest}' if i == last else k
+        out[name] = v
+    # Files from before PyTorch 0.4.1 lack BN's num_batches_tracked: BatchNorm's own
+    # _load_from_state_dict fills it (for a dict without version metadata, such as this one).
+    return out
 
 
 def create(name, **overrides):

@@ -13,19 +13,11 @@ for every paper model (Mixer paper Table 1); lucidrains' mlp-mixer-pytorch swaps
 expansion factors by default, we do not.
 
 State-dict keys equal timm's `MlpMixer` (stem.proj, blocks.i.{norm1,mlp_tokens.fc1/fc2,norm2,
-mlp_channels.fc1/fc2}, norm, head), so timm weights load with strict=True.
-
-Self-contained: imports only torch and einops (and the standard library, to read checkpoints).
-`python mixer.py` prints every config's parameter count. `load_checkpoint(model, path)` loads the
-official JAX .npz, timm state_dicts and our training checkpoints (see "Checkpoints" below).
+mlp_channels.fc1/fc2}, norm, head), so a timm state_dict (or our checkpoint's 'model') loads with
+plain `model.load_state_dict(sd)`; `load_npz(path)` converts the official JAX .npz.
+`python mixer.py` prints every config's parameter count.
 """
-import argparse
-import ast
 import math
-import os
-import warnings
-import zipfile
-from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -63,33 +55,17 @@ def drop_path(x, p, training):
 
 
 class MlpBlock(nn.Module):
-    """Dense -> GELU -> Dense (Mixer paper eq. (1)), applied along one axis of a (B, S, C) input.
+    """Dense -> GELU -> Dense over the last axis (Mixer paper eq. (1)): the channel MLP as is, the
+    token MLP on the transposed input."""
 
-    axis='channels' mixes the C channels of each token: an ordinary Linear on the last axis.
-    axis='tokens' mixes the S tokens of each channel. Rather than transposing to (B, C, S) and
-    back (timm does; each transpose costs a copy of the activation), it left-multiplies by the
-    weight: (D_S, S) @ (B, S, C) -> (B, D_S, C), the same sums as (W1 LN(X)^T)^T with X left
-    where it is in memory. Measured here on CPU, fwd+bwd of this MLP is ~15% faster that way.
-    The weights keep nn.Linear's (out, in) layout, so the keys and shapes equal timm's.
-    """
-
-    def __init__(self, dim, hidden, axis, dropout, gelu):
+    def __init__(self, dim, hidden, dropout, gelu):
         super().__init__()
-        assert axis in ('tokens', 'channels')
-        self.axis = axis
-        self.fc1 = nn.Linear(dim, hidden)
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
         self.act = nn.GELU(approximate='tanh' if gelu == 'tanh' else 'none')
-        self.drop1 = nn.Dropout(dropout)
-        self.fc2 = nn.Linear(hidden, dim)
-        self.drop2 = nn.Dropout(dropout)
+        self.drop = nn.Dropout(dropout)
 
-    def forward(self, x):  # (B, S, C) -> (B, S, C)
-        if self.axis == 'channels':
-            return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
-        # baddbmm fuses the bias add into the batched matmul; expand() is a view, not a copy
-        w1, w2 = self.fc1.weight.expand(x.shape[0], -1, -1), self.fc2.weight.expand(x.shape[0], -1, -1)
-        h = self.drop1(self.act(torch.baddbmm(self.fc1.bias[:, None], w1, x)))  # (B, D_S, C)
-        return self.drop2(torch.baddbmm(self.fc2.bias[:, None], w2, h))  # (B, S, C)
+    def forward(self, x):  # (..., dim) -> (..., dim)
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
 
 
 class MixerBlock(nn.Module):
@@ -97,15 +73,17 @@ class MixerBlock(nn.Module):
         super().__init__()
         # LayerNorm eps 1e-6 as in the official JAX code (PyTorch's default is 1e-5).
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp_tokens = MlpBlock(num_tokens, tokens_mlp_dim, 'tokens', dropout, gelu)
+        self.mlp_tokens = MlpBlock(num_tokens, tokens_mlp_dim, dropout, gelu)  # W1 (D_S, S), W2 (S, D_S)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.mlp_channels = MlpBlock(dim, channels_mlp_dim, 'channels', dropout, gelu)
+        self.mlp_channels = MlpBlock(dim, channels_mlp_dim, dropout, gelu)  # W3 (D_C, C), W4 (C, D_C)
         self.drop_path = drop_path
 
     def forward(self, x):  # (B, S, C) -> (B, S, C)
-        x = x + drop_path(self.mlp_tokens(self.norm1(x)), self.drop_path, self.training)  # token-mixing
-        x = x + drop_path(self.mlp_channels(self.norm2(x)), self.drop_path, self.training)  # channel-mixing
-        return x
+        # token-mixing: U = X + (W2 GELU(W1 LN(X)^T))^T, one MLP per channel, shared across channels
+        y = self.mlp_tokens(rearrange(self.norm1(x), 'b s c -> b c s'))
+        x = x + drop_path(rearrange(y, 'b c s -> b s c'), self.drop_path, self.training)
+        # channel-mixing: Y = U + W4 GELU(W3 LN(U)), one MLP per token, shared across tokens
+        return x + drop_path(self.mlp_channels(self.norm2(x)), self.drop_path, self.training)
 
 
 class PatchEmbed(nn.Module):
@@ -131,11 +109,22 @@ class MlpMixer(nn.Module):
         dropout / drop_path: dropout inside the MLPs and before the head; stochastic-depth rate,
           rising linearly to `drop_path` at the last block. The SAM paper uses neither.
         gelu: 'exact' (timm, PyTorch) or 'tanh', the approximation Flax's nn.gelu uses.
+        Impossible shapes raise ValueError rather than build a smaller model than asked.
         """
         super().__init__()
-        assert gelu in ('exact', 'tanh'), f"gelu must be 'exact' or 'tanh', got {gelu!r}"
-        tokens_mlp_dim = tokens_mlp_dim or int(0.5 * dim)
-        channels_mlp_dim = channels_mlp_dim or int(4 * dim)
+        if isinstance(dim, int):  # None means the paper's ratio; an explicit 0 is an error below
+            tokens_mlp_dim = int(0.5 * dim) if tokens_mlp_dim is None else tokens_mlp_dim
+            channels_mlp_dim = int(4 * dim) if channels_mlp_dim is None else channels_mlp_dim
+        sizes = dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, dim=dim, depth=depth,
+                     tokens_mlp_dim=tokens_mlp_dim, channels_mlp_dim=channels_mlp_dim)
+        for name, value in sizes.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f'{name} must be a positive integer, got {value!r}')
+        if img_size % patch_size:
+            raise ValueError(f'img_size={img_size} is not divisible by patch_size={patch_size}: the patch '
+                             f'embedding drops the image border ({img_size % patch_size} px)')
+        if gelu not in ('exact', 'tanh'):
+            raise ValueError(f"gelu must be one of ('exact', 'tanh'), got {gelu!r}")
         self.num_classes, self.img_size = num_classes, img_size
         num_tokens = (img_size // patch_size) ** 2  # S
 
@@ -159,8 +148,7 @@ class MlpMixer(nn.Module):
                 nn.init.zeros_(m.weight) if name == 'head' else lecun_normal_(m.weight)
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+                m.reset_parameters()  # scale 1, bias 0
 
     def forward_features(self, x):  # (B, 3, H, W) -> (B, S, C)
         if x.shape[-1] != self.img_size or x.shape[-2] != self.img_size:
@@ -173,194 +161,6 @@ class MlpMixer(nn.Module):
         return self.head(self.head_drop(x))
 
 
-# -----------------------------------------------------------------------------
-# ---- Checkpoints ----
-# load_checkpoint(model, path) loads, in place, whichever of these `path` holds:
-#   1. the official JAX .npz (google-research/vision_transformer, vit_jax/models_mixer.py; e.g.
-#      gs://mixer_models/sam/Mixer-B_16.npz): stem/ (an HWIO conv), MixerBlock_{i}/{LayerNorm_0,
-#      token_mixing/Dense_{0,1}, LayerNorm_1, channel_mixing/Dense_{0,1}}, pre_head_layer_norm/ and
-#      head/, with or without an 'opt/target/' or 'params/' prefix. Nothing else in PyTorch reads
-#      these files: timm ships its own converted copies of other Mixer weights.
-#   2. a timm state_dict (our keys are timm's), bare or inside timm's train checkpoint ('state_dict');
-#   3. our training checkpoint (a dict whose 'model' is the state_dict);
-#   with 'module.' (DDP) and '_orig_mod.' (torch.compile) prefixes stripped.
-# A head for another number of classes is skipped with a warning, leaving the model's own head.
-# Anything else (including another resolution or patch size: the token-mixing MLP is sized by the
-# number of patches) is a ValueError that names the first key that does not fit and both shapes.
-#
-# Numerics: Flax's nn.gelu is the tanh approximation, so build the model with gelu='tanh' to match
-# the JAX numerics: then the logits equal Flax's to float32 rounding (max |difference| ~1e-6 on tiny
-# random models, measured against Flax itself), where the default exact GELU leaves 2-4e-4 of the
-# largest logit (tests/test_checkpoints.py checks both against a float64 replica of the Flax code).
-# Preprocessing: the JAX checkpoints expect RGB in [0, 1] mapped to [-1, 1], i.e. (x - 0.5) / 0.5
-# (mean = std = 0.5 per channel), not ImageNet's mean/std.
-
-_NPY_DTYPES = {'<f4': torch.float32, '<f2': torch.float16, '<f8': torch.float64,
-               '<i4': torch.int32, '<i8': torch.int64}
-
-
-def _read_npz(path):
-    """{name: tensor} from an .npz, without numpy. An .npz is a zip of .npy files; an .npy is the
-    magic b'\\x93NUMPY', a version (1, 0) or (2, 0), the header length (2 or 4 bytes, little-endian),
-    a Python-literal header {'descr', 'fortran_order', 'shape'}, then the raw array."""
-    arrays = {}
-    with zipfile.ZipFile(path) as zf:
-        for name in zf.namelist():
-            raw = zf.read(name)
-            n = 2 if raw[6] == 1 else 4
-            start = 8 + n + int.from_bytes(raw[8:8 + n], 'little')
-            header = ast.literal_eval(raw[8 + n:start].decode('latin1'))
-            dtype, shape = _NPY_DTYPES.get(header['descr']), tuple(header['shape'])
-            if dtype is None:
-                raise ValueError(f"{path}: array {name!r} has dtype {header['descr']!r}; this reader "
-                                 f"takes {', '.join(_NPY_DTYPES)}")
-            data = bytearray(raw[start:])  # writable copy: torch.frombuffer shares its memory
-            flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-            if header['fortran_order']:  # column-major (numpy writes a transposed array this way)
-                array = flat.reshape(shape[::-1]).permute(*reversed(range(len(shape))))
-            else:
-                array = flat.reshape(shape)
-            arrays[name[:-len('.npy')]] = array
-    return arrays
-
-
-def _read_checkpoint(path):
-    """(tensors, 'npz') for a zip of .npy arrays, else (what torch.load returns, 'torch')."""
-    if isinstance(path, Mapping):  # an already-loaded checkpoint or state_dict
-        return dict(path), 'torch'
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f'no checkpoint file at {path}')
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-        if names and all(name.endswith('.npy') for name in names):
-            return _read_npz(path), 'npz'
-    try:  # weights_only: tensors and plain containers, never arbitrary code (timm adds an argparse.Namespace)
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location='cpu', weights_only=True), 'torch'
-    except Exception as e:
-        unsafe = [line for line in str(e).splitlines() if 'Unsupported global: ' in line]
-        if unsafe:
-            name = unsafe[0].split('Unsupported global: ')[1].split(' was not')[0]
-            raise ValueError(f'{path} holds Python objects besides tensors ({name}), which '
-                             'torch.load(weights_only=True) refuses. If you trust the file: '
-                             'load_checkpoint(model, torch.load(path, weights_only=False))') from None
-        reason = 'not a pickle' if 'Weights only load failed' in str(e) else str(e).splitlines()[0]
-        raise ValueError(f'{path} is neither an .npz nor a file torch.load reads '
-                         f'({type(e).__name__}: {reason})') from None
-
-
-def _state_dict_of(ckpt, what):
-    """The state_dict inside a torch checkpoint: ours keeps it under 'model', timm's train.py and
-    locuslab's under 'state_dict'. Strips the prefixes DDP ('module.') and torch.compile ('_orig_mod.') add."""
-    for key in ('model', 'state_dict'):
-        if isinstance(ckpt.get(key), Mapping):
-            ckpt = ckpt[key]
-            break
-    sd = {}
-    for k, v in ckpt.items():
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(f'{what}: {k!r} is a {type(v).__name__}, not a tensor: this is not a state_dict, '
-                             "nor a checkpoint holding one under 'model' or 'state_dict'")
-        parts = [p for p in k.split('.') if p != '_orig_mod']
-        while parts and parts[0] == 'module':
-            parts = parts[1:]
-        sd['.'.join(parts)] = v
-    return sd
-
-
-def _load_exactly(model, sd, what, origin):
-    """model.load_state_dict(sd) with strict=True, after finding the first key that does not fit and
-    saying so plainly (origin maps a converted key to the file's own name for it)."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    if len(missing) >= len(own) / 2:  # most of it missing: another kind of model altogether
-        raise ValueError(f'{what}: not a checkpoint for this {type(model).__name__}: {len(missing)} of its '
-                         f'{len(own)} keys are not in the file, the first {missing[0]!r}; the file has '
-                         f'{list(sd)[:3]}...')
-    name = lambda k: repr(k) + (f' (from {origin[k]!r})' if k in origin else '')
-    for k, v in own.items():
-        if k not in sd:
-            raise ValueError(f'{what}: the model has {k!r} {tuple(v.shape)} but the file does not')
-        if sd[k].shape != v.shape:
-            raise ValueError(f'{what}: {name(k)} has shape {tuple(sd[k].shape)} in the file but '
-                             f'{tuple(v.shape)} in the model')
-    extra = [k for k in sd if k not in own]
-    if extra:
-        raise ValueError(f'{what}: the file has {name(extra[0])} {tuple(sd[extra[0]].shape)}, which the '
-                         f'model does not ({len(extra)} such keys)')
-    model.load_state_dict(sd)
-
-
-def _keep_own_head(model, sd, what):
-    """A file trained for another number of classes (or a headless model): keep the model's head."""
-    w = sd.get('head.weight')
-    head = model.head
-    if w is None or (isinstance(head, nn.Linear) and w.shape == head.weight.shape):
-        return
-    if isinstance(head, nn.Linear) and w.shape[1:] != head.weight.shape[1:]:
-        return  # a different width is a real mismatch: let _load_exactly name it
-    warnings.warn(f'{what}: the file\'s head has {w.shape[0]} classes and the model {model.num_classes}; '
-                  'the head was not loaded (the model keeps its own)')
-    for key in ('head.weight', 'head.bias'):
-        sd.pop(key, None)
-        if isinstance(head, nn.Linear):
-            sd[key] = getattr(head, key.split('.')[1]).detach()
-
-
-def _mixer_from_npz(w, what):
-    """Official JAX names and layouts -> our (timm's) state_dict. Flax Dense kernels are (in, out) and
-    convs HWIO. In token_mixing, "in" is the number of patches S: Dense_0 is (S, D_S)."""
-    prefix = next((p for p in ('', 'opt/target/', 'params/') if p + 'stem/kernel' in w), None)
-    if prefix is None:
-        raise ValueError(f"{what}: not an official MLP-Mixer .npz: it has no 'stem/kernel' "
-                         f'(its first keys are {list(w)[:3]})')
-    w = {k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)}
-    sd, origin = {}, {}
-
-    def put(key, src, fn=lambda t: t):
-        if src not in w:
-            raise ValueError(f'{what}: the .npz has no {prefix + src!r} (needed for {key!r})')
-        sd[key], origin[key] = fn(w[src]), prefix + src
-
-    dense = lambda t: t.t()  # (in, out) -> (out, in)
-    put('stem.proj.weight', 'stem/kernel', fn=lambda t: t.permute(3, 2, 0, 1))  # HWIO -> OIHW
-    put('stem.proj.bias', 'stem/bias')
-    i = 0
-    while any(k.startswith(f'MixerBlock_{i}/') for k in w):
-        b, o = f'MixerBlock_{i}/', f'blocks.{i}.'  # the file's prefix, ours
-        for src, dst in (('LayerNorm_0', 'norm1'), ('LayerNorm_1', 'norm2')):
-            put(o + dst + '.weight', b + src + '/scale')
-            put(o + dst + '.bias', b + src + '/bias')
-        for src, dst in (('token_mixing', 'mlp_tokens'), ('channel_mixing', 'mlp_channels')):
-            for j in (0, 1):
-                put(o + f'{dst}.fc{j + 1}.weight', b + f'{src}/Dense_{j}/kernel', fn=dense)
-                put(o + f'{dst}.fc{j + 1}.bias', b + f'{src}/Dense_{j}/bias')
-        i += 1
-    put('norm.weight', 'pre_head_layer_norm/scale')
-    put('norm.bias', 'pre_head_layer_norm/bias')
-    if 'head/kernel' in w:
-        put('head.weight', 'head/kernel', fn=dense)
-        put('head.bias', 'head/bias')
-    return sd, origin
-
-
-@torch.no_grad()
-def load_checkpoint(model, path):
-    """Load the checkpoint at `path` (or an already-loaded checkpoint dict) into the MlpMixer
-    `model`, in place, and return the model. See the comment above for the layouts it recognises;
-    anything else raises ValueError naming the first mismatch."""
-    what = f'mixer.load_checkpoint({path if not isinstance(path, Mapping) else "<dict>"})'
-    ckpt, kind = _read_checkpoint(path)
-    if kind == 'npz':
-        sd, origin = _mixer_from_npz(ckpt, what + ' [JAX .npz]')
-    else:
-        sd, origin = _state_dict_of(ckpt, what), {}
-    _keep_own_head(model, sd, what)
-    _load_exactly(model, sd, what, origin)
-    return model
-
-
 def create(name, **overrides):
     """Build a named config with overrides, e.g. create('mixer_s16', num_classes=10, img_size=32, patch_size=4)."""
     if name not in configs:
@@ -368,9 +168,53 @@ def create(name, **overrides):
     return MlpMixer(**{**configs[name], **overrides})
 
 
+def load_npz(path):
+    """An official JAX .npz (google-research/vision_transformer, vit_jax/models_mixer.py; the SAM ones
+    are gs://mixer_models/sam/Mixer-B_{16,32}.npz) -> float32 state_dict under our (timm's) keys.
+    An 'opt/target/' prefix is stripped; a missing or malformed array raises ValueError naming its
+    key. Flax Dense kernels are (in, out), so token_mixing/Dense_0 is (S, D_S); the stem is HWIO.
+    Build the model with gelu='tanh' (Flax's nn.gelu) to match JAX to ~1e-6 (exact GELU: ~1e-3
+    away; tests/test_checkpoints.py). Inputs: (x - 0.5) / 0.5 on RGB in [0, 1]."""
+    import numpy as np  # only here: the model itself needs nothing but torch and einops
+
+    with np.load(path) as npz:
+        prefix = 'opt/target/' if 'opt/target/stem/kernel' in npz.files else ''
+
+        def get(name, ndim):  # one array as a float32 tensor, checked
+            key = prefix + name
+            if key not in npz.files:
+                raise ValueError(f'{path}: no array {key!r}; not an official MLP-Mixer .npz?')
+            try:  # zip, zlib or .npy errors: name the array, keep numpy's reason
+                a = npz[key]
+            except Exception as e:
+                raise ValueError(f'{path}: cannot read array {key!r} ({type(e).__name__}: {e})') from e
+            if not isinstance(a, np.ndarray) or a.dtype.kind != 'f' or a.ndim != ndim:
+                got = f'{a.ndim}-d {a.dtype}' if isinstance(a, np.ndarray) else 'raw bytes, not an .npy'
+                raise ValueError(f'{path}: array {key!r} should be a {ndim}-d float array, got {got}')
+            return torch.from_numpy(a.astype(np.float32))
+
+        norm = lambda name: (get(name + '/scale', 1), get(name + '/bias', 1))
+        dense = lambda name: (get(name + '/kernel', 2).T, get(name + '/bias', 1))  # (in, out) -> (out, in)
+        sd = {'stem.proj.weight': get('stem/kernel', 4).permute(3, 2, 0, 1),  # HWIO -> OIHW
+              'stem.proj.bias': get('stem/bias', 1)}
+        i = 0
+        while prefix + f'MixerBlock_{i}/LayerNorm_0/scale' in npz.files:
+            b, o = f'MixerBlock_{i}/', f'blocks.{i}.'  # the file's names, ours
+            sd[o + 'norm1.weight'], sd[o + 'norm1.bias'] = norm(b + 'LayerNorm_0')
+            sd[o + 'mlp_tokens.fc1.weight'], sd[o + 'mlp_tokens.fc1.bias'] = dense(b + 'token_mixing/Dense_0')
+            sd[o + 'mlp_tokens.fc2.weight'], sd[o + 'mlp_tokens.fc2.bias'] = dense(b + 'token_mixing/Dense_1')
+            sd[o + 'norm2.weight'], sd[o + 'norm2.bias'] = norm(b + 'LayerNorm_1')
+            sd[o + 'mlp_channels.fc1.weight'], sd[o + 'mlp_channels.fc1.bias'] = dense(b + 'channel_mixing/Dense_0')
+            sd[o + 'mlp_channels.fc2.weight'], sd[o + 'mlp_channels.fc2.bias'] = dense(b + 'channel_mixing/Dense_1')
+            i += 1
+        sd['norm.weight'], sd['norm.bias'] = norm('pre_head_layer_norm')
+        if prefix + 'head/kernel' in npz.files:  # a headless (feature-extractor) file has none
+            sd['head.weight'], sd['head.bias'] = dense('head')
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
 if __name__ == '__main__':
     for name in configs:
         with torch.device('meta'):  # counts without allocating or initialising
             model = create(name)
-        print(f"{name:16s} {sum(p.numel() for p in model.parameters()):>13,d} params"
-              f"  ({model.num_classes} classes)")
+        print(f'{name:16s} {sum(p.numel() for p in model.parameters()):>13,d} params ({model.num_classes} classes)')

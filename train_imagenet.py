@@ -1,43 +1,37 @@
 """ImageNet-1k training for ViT, MLP-Mixer, ConvMixer and the ResNet baselines, with DDP, AMP and SAM.
 
-Two recipes, each a set of flag defaults (every flag can still be overridden):
-
-  --recipe sam        Chen, Hsieh & Gong 2021, "When Vision Transformers Outperform ResNets without
-                      Pretraining or Strong Data Augmentations" (ICLR 2022): Inception crop + flip only,
-                      AdamW (0.9, 0.999), peak LR 3e-3 at batch 4096, weight decay 0.3, 10k warmup steps
-                      then linear decay, 300 epochs, clipping at global norm 1.0. Add --sam for SAM.
+A recipe (RECIPES) fills the flags left unset; with --resume they come from the run instead.
+  --recipe sam        Chen, Hsieh & Gong, "When Vision Transformers Outperform ResNets without Pretraining or
+                      Strong Data Augmentations" (ICLR 2022): Inception crop + flip, AdamW, peak LR 3e-3 at batch
+                      4096, wd 0.3, 10k warmup steps then linear decay, 300 epochs, clipping 1.0; add --sam.
                       Paper: ViT-B/16 74.6 -> 79.9 and Mixer-B/16 66.4 -> 77.4 top-1 with SAM.
-  --recipe convmixer  Trockman & Kolter, "Patches Are All You Need?" (timm fork command in reference.md):
-                      RandAugment m9 mstd0.5, mixup 0.5, cutmix 0.5, random erasing 0.25, label
-                      smoothing 0.1, AdamW eps 1e-3, one-cycle LR 0.01 at batch 640, wd 2e-5, clipping
-                      1.0, 150 epochs. Paper: ConvMixer-1536/20 81.37, ConvMixer-768/32 80.16 (300 ep).
+  --recipe convmixer  Trockman & Kolter, "Patches Are All You Need?" (the timm fork's command, reference.md).
 
     torchrun --nproc_per_node 8 train_imagenet.py --data /imagenet --model mixer_b16 --sam --rho 0.05
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \
-        train_imagenet.py --data /imagenet --model vit_b16 --sam           # the same on two nodes
-    python train_imagenet.py --synthetic --model vit_b16 --batch-size 256 --max-steps 100  # img/s, no data
-    python train_imagenet.py --data /imagenet --model vit_b16 --eval-only --checkpoint ViT-B_16.npz
+    torchrun --nproc_per_node 8 train_imagenet.py --resume runs/imagenet/mixer_b16_sam/last.pt
+    python train_imagenet.py --data /imagenet --eval-only --checkpoint ViT-B_16.npz --model vit_b16
 
---batch-size is the GLOBAL batch of one optimizer step: it is split over the processes and then
-into --accum-steps micro-batches, so a recipe means the same thing on 1 GPU or 64.
-Resuming continues mid-epoch exactly (data order, augmentations and RNG); on another world size
-the data order and augmentations still do, dropout/mixup draws do not.
+--batch-size is the GLOBAL batch of one optimizer step: processes x --accum-steps micro-batches.
 """
 import argparse
-import ast
 import contextlib
+import functools
 import json
+import math
 import os
 import pickle
 import sys
+import tempfile
 import time
-import warnings
+import zipfile
+from ast import literal_eval
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torchvision import datasets
 from torchvision.transforms import v2
@@ -47,706 +41,652 @@ import mixer
 import vit
 from sam import SAM, first_pass, second_pass
 
+
+class UserError(Exception):
+    """A mistake in the command line, the data or a file: one line on stderr, exit status 1."""
+
+
 # -----------------------------------------------------------------------------
-# Arguments. Defaults are the SAM paper's recipe; --recipe convmixer swaps in the ConvMixer one.
+# Arguments: default None, then filled from the run being resumed (or evaluated), then from the recipe.
 RECIPES = {
     # Chen, Hsieh & Gong 2021, Sec. 3 and appendix (settings as reused in the GSAM paper).
-    'sam': dict(epochs=300, batch_size=4096, lr=3e-3, lr_batch=4096, opt_eps=1e-8, wd=0.3,
-                sched='linear', warmup_steps=10_000, clip_grad=1.0, smoothing=0.0, randaug_n=0,
-                mixup=0.0, cutmix=0.0, reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear'),
+    'sam': dict(epochs=300, batch_size=4096, lr=3e-3, lr_batch=4096, opt_eps=1e-8, wd=0.3, sched='linear',
+                warmup_steps=10_000, clip_grad=1.0, label_smoothing=0.0, randaug_n=0, mixup=0.0, cutmix=0.0,
+                reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear'),
     # locuslab/convmixer README (timm fork): --opt adamw --sched onecycle --lr 0.01 --opt-eps 1e-3
     # --aa rand-m9-mstd0.5-inc1 --mixup 0.5 --cutmix 0.5 --reprob 0.25 --clip-grad 1.0, batch 64 x 10
     # GPUs; timm's implicit wd 2e-5 and smoothing 0.1; timm's ConvMixer eval cfg: crop_pct 0.96, bicubic.
-    'convmixer': dict(epochs=150, batch_size=640, lr=0.01, lr_batch=640, opt_eps=1e-3, wd=2e-5,
-                      sched='onecycle', warmup_steps=0, clip_grad=1.0, smoothing=0.1, randaug_n=2,
-                      mixup=0.5, cutmix=0.5, reprob=0.25, norm='imagenet', crop_pct=0.96,
-                      eval_interp='bicubic'),
+    'convmixer': dict(epochs=150, batch_size=640, lr=0.01, lr_batch=640, opt_eps=1e-3, wd=2e-5, sched='onecycle',
+                      warmup_steps=0, clip_grad=1.0, label_smoothing=0.1, randaug_n=2, mixup=0.5, cutmix=0.5,
+                      reprob=0.25, norm='imagenet', crop_pct=0.96, eval_interp='bicubic'),
 }
+DEFAULTS = dict(model='vit_b16', model_kw=[], img_size=224, randaug_m=9.0, accum_steps=1, sam=False, rho=0.05,
+                adaptive=False, amp='auto', seed=0, log_every=50, save_every=0)  # the same in both recipes
+RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
+EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
+POSITIVE = ['epochs', 'batch_size', 'accum_steps', 'lr', 'lr_batch', 'opt_eps', 'img_size', 'crop_pct',
+            'eval_batch_size']
+NON_NEGATIVE = ['workers', 'warmup_steps', 'wd', 'clip_grad', 'rho', 'label_smoothing', 'randaug_n', 'randaug_m',
+                'mixup', 'cutmix', 'reprob', 'log_every', 'save_every', 'max_steps', 'seed']
+AT_MOST = dict(crop_pct=1, label_smoothing=1, reprob=1, randaug_m=10)
+
+
+def flag(p, name, help, **kw):
+    """p.add_argument, with the default (or each recipe's) appended to the help."""
+    key = name[2:].replace('-', '_')
+    if key in DEFAULTS or key in RECIPES['sam']:
+        help += f' (default {DEFAULTS[key]})' if key in DEFAULTS else ' [' + ', '.join(
+            f'{r}: {RECIPES[r][key]}' for r in RECIPES) + ']'
+    p.add_argument(name, help=help, **kw)
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument('--recipe', choices=list(RECIPES), default='sam',
-                   help='set of defaults: sam = Chen et al. 2021, convmixer = Trockman & Kolter')
-    # data
-    p.add_argument('--data', metavar='DIR',
-                   help='ImageNet root holding train/<wnid>/*.JPEG and val/<wnid>/*.JPEG')
-    p.add_argument('--synthetic', action='store_true',
-                   help='random tensors of the right shape instead of --data (1000 classes, 1,281,167 '
-                        'train / 50,000 val), to measure throughput without a data pipeline')
-    p.add_argument('--img-size', type=int, default=224, help='training and evaluation resolution (px)')
-    p.add_argument('--workers', type=int, default=8, help='data-loader worker processes per GPU')
-    p.add_argument('--prefetch', type=int, default=4, help='batches each worker loads ahead')
-    p.add_argument('--norm', choices=['imagenet', 'jax'],
-                   help='input normalisation: imagenet = ImageNet mean/std (torchvision ResNets, timm '
-                        'ConvMixer, locuslab .pth.tar); jax = (x - 0.5) / 0.5, as the official JAX ViT/Mixer '
-                        'code and its .npz files expect, and timm weights ported from them (those whose '
-                        'pretrained_cfg has mean = std = 0.5, e.g. vit_base_patch16_224.sam_in1k)')
-    p.add_argument('--crop-pct', type=float,
-                   help='evaluation: resize the shorter side to img_size / crop_pct, centre-crop img_size')
-    p.add_argument('--eval-interp', choices=['bilinear', 'bicubic'],
-                   help='evaluation resize filter (tf.image.resize default; timm ConvMixer cfg)')
-    p.add_argument('--crop-min', type=float, default=0.08,
-                   help='RandomResizedCrop minimum area fraction (Inception, Szegedy et al. 2015: 8%%-100%%)')
-    p.add_argument('--randaug-n', type=int, help='RandAugment ops per image (0 = off)')
-    p.add_argument('--randaug-m', type=float, default=9, help="RandAugment magnitude on timm's 0-10 scale")
-    p.add_argument('--randaug-mstd', type=float, default=0.5, help='std of the per-image magnitude draw')
-    p.add_argument('--mixup', type=float, help='mixup Beta(alpha, alpha); 0 = off')
-    p.add_argument('--cutmix', type=float, help='cutmix Beta(alpha, alpha); 0 = off. With both on, '
-                                                'each batch uses one of the two, with p 0.5 each (as timm)')
-    p.add_argument('--reprob', type=float, help="random-erasing probability per image (timm 'pixel' mode)")
-    p.add_argument('--smoothing', type=float, help='label smoothing')
-    # model
-    p.add_argument('--model', default='vit_b16', help='a config of vit.py, mixer.py, convmixer.py, or '
-                                                      'resnet50/101/152 (torchvision)')
-    p.add_argument('--model-kw', nargs='*', default=[], metavar='K=V',
-                   help='constructor overrides, e.g. --model-kw depth=2 dim=64 heads=2 drop_path=0.1 '
-                        '(values parsed as Python literals, else strings); for tests and ablations')
-    p.add_argument('--channels-last', action='store_true', help='NHWC memory format (faster convs on GPUs)')
-    p.add_argument('--compile', action='store_true', help='torch.compile the model')
-    # optimisation
-    p.add_argument('--epochs', type=int, help='training epochs')
-    p.add_argument('--batch-size', type=int, help='GLOBAL batch per optimizer step (all GPUs x accum steps)')
-    p.add_argument('--accum-steps', type=int, default=1, help='gradient-accumulation micro-batches per step')
-    p.add_argument('--lr', type=float, help='peak learning rate at a global batch of --lr-batch')
-    p.add_argument('--lr-batch', type=int, help='batch at which --lr holds; LR scales linearly with '
-                                                '--batch-size (Goyal et al. 2017)')
-    p.add_argument('--betas', type=float, nargs=2, default=(0.9, 0.999), help='AdamW betas')
-    p.add_argument('--opt-eps', type=float, help='AdamW epsilon')
-    p.add_argument('--wd', type=float, help='AdamW decoupled weight decay (on weight matrices and '
-                                            'kernels; not on biases, norms, pos_embed, cls_token)')
-    p.add_argument('--sched', choices=['linear', 'onecycle'],
-                   help='linear = warmup then linear decay to 0; onecycle = piecewise linear '
-                        '0 -> lr at 40%% -> lr/20 at 80%% -> 0 at the end (locuslab np.interp)')
-    p.add_argument('--warmup-steps', type=int, help='linear warmup length in optimizer steps (sched linear)')
-    p.add_argument('--clip-grad', type=float, help='clip the global gradient norm (0 = off)')
-    p.add_argument('--sam', action='store_true', help='Sharpness-Aware Minimization (Foret et al. 2020)')
-    p.add_argument('--rho', type=float, default=0.05,
-                   help="SAM neighbourhood radius. 0.05 is SAM's own default (Foret et al.); Chen et al. "
-                        "2021 tune rho per model and list the values in their appendix hyperparameter "
-                        "table, which is NOT verified in this repo: look the value up there and pass it")
-    p.add_argument('--amp', choices=['bf16', 'fp16', 'off'],
-                   help='autocast precision; default bf16 on GPUs that support it, else off. fp16 uses '
-                        'a GradScaler')
-    p.add_argument('--seed', type=int, default=0, help='seed for init, data order and augmentation')
-    # checkpoints, evaluation, logging
-    p.add_argument('--out', metavar='DIR', help='checkpoint.pt, metrics.jsonl and args.json go here '
-                   '(default: the --resume file\'s folder, else runs/imagenet/<model>[_sam])')
-    p.add_argument('--save-every', type=int, default=0,
-                   help='also checkpoint every N optimizer steps (0 = only at the end of each epoch)')
-    p.add_argument('--resume', metavar='PATH', help='continue from a checkpoint of this script, mid-epoch if '
-                                                    'that is where it was written')
-    p.add_argument('--eval-only', action='store_true', help='evaluate --checkpoint and exit')
-    p.add_argument('--checkpoint', metavar='PATH',
-                   help='for --eval-only: our checkpoint.pt, a timm state_dict, an official JAX .npz '
-                        '(ViT/Mixer, use --norm jax), a locuslab ConvMixer .pth.tar, or a torchvision '
-                        'ResNet state_dict (use --norm imagenet)')
-    p.add_argument('--eval-batch-size', type=int, default=256, help='evaluation batch per process')
-    p.add_argument('--max-steps', type=int, default=0,
-                   help='stop after this many optimizer steps in all, without a final checkpoint '
-                        '(throughput runs; the LR schedule still spans --epochs); 0 = off')
-    p.add_argument('--log-every', type=int, default=50, help='print progress every N optimizer steps')
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    a = functools.partial(flag, p)
+    a('--recipe', 'defaults: sam (Chen et al. 2021; the default) or convmixer', choices=list(RECIPES))
+    a('--data', 'ImageNet root: train/<wnid>/*.JPEG and val/<wnid>/*.JPEG', metavar='DIR')
+    a('--img-size', 'training and evaluation resolution (px)', type=int)
+    a('--workers', 'data-loader processes per GPU (default 8)', type=int, default=8)
+    a('--norm', 'inputs: imagenet mean/std (ResNets, ConvMixer) or jax = (x - 0.5) / 0.5 (the official ViT/Mixer '
+      '.npz and timm ports of them)', choices=list(MEANS))
+    a('--crop-pct', 'evaluation: resize to img_size / crop_pct, centre-crop img_size', type=float)
+    a('--eval-interp', 'evaluation resize filter', choices=['bilinear', 'bicubic'])
+    a('--randaug-n', 'RandAugment ops per image (0 = off)', type=int)
+    a('--randaug-m', "RandAugment magnitude on timm's 0-10 scale, drawn per image with std 0.5", type=float)
+    a('--mixup', 'mixup Beta(alpha, alpha), 0 = off', type=float)
+    a('--cutmix', 'cutmix Beta(alpha, alpha), 0 = off; with mixup on too, one of the two per batch', type=float)
+    a('--reprob', "random-erasing probability per image (timm's 'pixel' mode)", type=float)
+    a('--label-smoothing', 'label smoothing of the cross-entropy', type=float)
+    a('--model', 'a config of vit.py, mixer.py, convmixer.py, or resnet50/101/152')
+    a('--model-kw', 'constructor overrides, e.g. depth=2 dim=64 (Python literals)', nargs='*', metavar='K=V')
+    a('--channels-last', 'NHWC memory format (faster convs on GPUs)', action='store_true')
+    a('--compile', 'torch.compile the model', action='store_true')
+    a('--epochs', 'training epochs', type=int)
+    a('--batch-size', 'GLOBAL batch of one optimizer step (all processes x --accum-steps)', type=int)
+    a('--accum-steps', 'gradient-accumulation micro-batches per optimizer step', type=int)
+    a('--lr', 'peak learning rate at a global batch of --lr-batch', type=float)
+    a('--lr-batch', 'batch at which --lr holds; it scales linearly with --batch-size (Goyal et al.)', type=int)
+    a('--opt-eps', 'AdamW epsilon (betas 0.9, 0.999)', type=float)
+    a('--wd', 'AdamW decoupled weight decay (matrices and kernels only)', type=float)
+    a('--sched', "linear: warmup, then linear decay to 0; onecycle: locuslab's np.interp 0 -> lr at epoch "
+      'E*2//5 -> lr/20 at E*4//5 -> 0 at E', choices=['linear', 'onecycle'])
+    a('--warmup-steps', 'linear warmup, in optimizer steps (sched linear)', type=int)
+    a('--clip-grad', 'clip the global gradient norm at this value (0 = off)', type=float)
+    a('--sam', 'Sharpness-Aware Minimization (Foret et al. 2020)', action=argparse.BooleanOptionalAction)
+    a('--rho', 'SAM radius; Chen et al. tune it per model (their appendix; not verified here)', type=float)
+    a('--adaptive', 'ASAM (Kwon et al. 2021)', action=argparse.BooleanOptionalAction)
+    a('--amp', 'autocast: auto = bf16 where the GPU has it, else off; fp16 adds a GradScaler',
+      choices=['auto', 'bf16', 'fp16', 'off'])
+    a('--seed', 'seed of the initial weights, data order and augmentation', type=int)
+    a('--out', "last.pt, metrics.jsonl, args.json go here (default: the --resume file's folder, else "
+      'runs/imagenet/<model>[_sam])', metavar='DIR')
+    a('--overwrite', 'let a new run replace the run already in --out', action='store_true')
+    a('--save-every', 'also save last.pt every N optimizer steps; 0 = at epoch ends only', type=int)
+    a('--resume', 'continue the run that wrote this last.pt (mid-epoch if saved there)', metavar='PATH')
+    a('--eval-only', 'evaluate --checkpoint on val and exit', action='store_true')
+    a('--checkpoint', 'for --eval-only: our last.pt (the model and input settings then come from it), a timm '
+      'state_dict, an official .npz, a locuslab .pth.tar or a torchvision ResNet', metavar='PATH')
+    a('--eval-batch-size', 'evaluation batch per process (default 256)', type=int, default=256)
+    a('--max-steps', 'stop after this many optimizer steps in all (0 = off)', type=int, default=0)
+    a('--log-every', 'a progress line every N optimizer steps; 0 = per epoch', type=int)
+    args = p.parse_args(argv)
 
-    # The chosen recipe sets the defaults, then the command line overrides them one by one.
-    for action in p._actions:
-        if action.dest in RECIPES['sam']:
-            action.help += ' [' + ', '.join(f'{r}: {RECIPES[r][action.dest]}' for r in RECIPES) + ']'
-    first = argparse.ArgumentParser(add_help=False)
-    first.add_argument('--recipe', choices=list(RECIPES), default='sam')
-    p.set_defaults(**RECIPES[first.parse_known_args(argv)[0].recipe])
-    return p.parse_args(argv)
-
-
-def fail(msg):
-    """A user error: one clear line on stderr, exit status 1, no traceback."""
-    print(f'train_imagenet.py: error: {msg}', file=sys.stderr)
-    sys.exit(1)
+    if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
+        raise UserError('--eval-only evaluates --checkpoint PATH (not --resume); --checkpoint is for --eval-only')
+    if args.resume and args.overwrite:
+        raise UserError('--resume continues a run; --overwrite would start a new one in its folder')
+    for name, path in (('--resume', args.resume), ('--checkpoint', args.checkpoint)):
+        if path and not os.path.isfile(path):
+            raise UserError(f'{name}: no such file: {path}')
+    run = stored_args(args.resume or args.checkpoint) if args.resume or args.checkpoint else {}
+    if args.resume and run is None:
+        raise UserError(f'--resume {args.resume} is not a last.pt of train_imagenet.py (to evaluate weights use '
+                        '--eval-only --checkpoint)')
+    run = {k: v for k, v in (run or {}).items() if k in (RUN_KEYS if args.resume else EVAL_KEYS)}
+    recipe = args.recipe or run.get('recipe') or 'sam'
+    for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+    for key in POSITIVE + NON_NEGATIVE:  # the value as given: --lr, say, before the batch scaling
+        value, rule = getattr(args, key), '> 0' if key in POSITIVE else '>= 0'
+        ok = value > 0 if key in POSITIVE else value >= 0
+        if not (math.isfinite(value) and ok and value <= AT_MOST.get(key, value)):
+            raise UserError(f'--{key.replace("_", "-")} must be a finite number {rule}'
+                            + (f' and <= {AT_MOST[key]}' if key in AT_MOST else '') + f', got {value}')
+    if not args.data:
+        raise UserError(f'give --data DIR ({LAYOUT})')
+    with torch.device('meta'):  # every impossible model shape now, before anything slow (no memory used)
+        build_model(args.model, 1000, args.img_size, parse_model_kw(args.model_kw))
+    return args
 
 
 # -----------------------------------------------------------------------------
-# Data. Decoding, crop, flip and RandAugment run per image in the loader workers; mixup/cutmix run
-# on the collated batch on the GPU.
+# Data. Decoding, crop, flip and RandAugment run per image in the loader workers; mixup/cutmix run on
+# the collated batch on the GPU.
 MEANS = {'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
          'jax': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}  # official JAX input pipeline: x / 127.5 - 1
-LAYOUT = ('expected ImageNet-1k in ImageFolder layout: DIR/train/<wnid>/*.JPEG and DIR/val/<wnid>/*.JPEG '
-          '(the validation images sorted into the same class folders, e.g. by the valprep.sh of the '
-          'PyTorch ImageNet example; ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar come from '
-          'image-net.org). Use --synthetic to run without data')
+LAYOUT = ('expected ImageNet-1k in ImageFolder layout: DIR/train/<wnid>/*.JPEG and DIR/val/<wnid>/*.JPEG (the '
+          'validation images sorted into the same class folders, e.g. by the valprep.sh of the PyTorch ImageNet '
+          'example; the tars come from image-net.org)')
 
 
 class RandAugmentMstd(v2.RandAugment):
-    """timm's `rand-m{M}-mstd{S}`: RandAugment whose magnitude is redrawn from N(M, S), clipped to [0, 10].
+    """timm's rand-m{M}-mstd0.5: the magnitude drawn from N(M, 0.5), clipped to [0, 10], on timm's 0-10 scale
+    (torchvision's bins with 101 of them: bin 10*m). Deviations from timm: one draw per image (timm: per
+    op); torchvision's op set (Identity; timm has Invert and SolarizeAdd, each op applied with p 0.5)."""
 
-    Magnitudes are on timm's 0-10 scale (m9 = 90% of each op's maximum), obtained from torchvision's
-    bins with 101 of them: bin 10*m. Deviations from timm, stated here: one magnitude draw per image
-    (timm draws per op), and torchvision's op set (it has Identity; timm has Invert and SolarizeAdd,
-    and applies each chosen op with probability 0.5).
-    """
-
-    def __init__(self, num_ops, magnitude, magnitude_std, fill):
-        super().__init__(num_ops=num_ops, magnitude=round(10 * magnitude), num_magnitude_bins=101,
-                         interpolation=v2.InterpolationMode.BILINEAR, fill=fill)
-        self.m, self.mstd = magnitude, magnitude_std
+    def __init__(self, num_ops, m, fill):
+        super().__init__(num_ops, round(10 * m), num_magnitude_bins=101, interpolation=v2.InterpolationMode.BILINEAR,
+                         fill=fill)
+        self.m = m
 
     def forward(self, *inputs):
-        m = self.m + self.mstd * torch.randn(()).item() if self.mstd > 0 else self.m
-        self.magnitude = round(10 * min(max(m, 0.0), 10.0))
+        self.magnitude = round(10 * min(max(self.m + 0.5 * torch.randn(()).item(), 0.0), 10.0))
         return super().forward(*inputs)
 
 
 def train_transform(args, mean, std):
-    t = [v2.RandomResizedCrop(args.img_size, scale=(args.crop_min, 1.0), antialias=True),  # Inception crop
-         v2.RandomHorizontalFlip()]
-    if args.randaug_n > 0:
-        fill = [round(255 * m) for m in mean]  # timm fills with the mean pixel
-        t.append(RandAugmentMstd(args.randaug_n, args.randaug_m, args.randaug_mstd, fill))
+    t = [v2.RandomResizedCrop(args.img_size, scale=(0.08, 1.0), antialias=True), v2.RandomHorizontalFlip()]
+    if args.randaug_n > 0:  # timm fills with the mean pixel
+        t.append(RandAugmentMstd(args.randaug_n, args.randaug_m, fill=[round(255 * m) for m in mean]))
     t += [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
     if args.reprob > 0:  # on the normalised image, with N(0, 1) noise: timm's 'pixel' mode
         t.append(v2.RandomErasing(p=args.reprob, value='random'))
     return v2.Compose(t)
 
 
-def eval_transform(args, mean, std):
-    interp = {'bilinear': v2.InterpolationMode.BILINEAR, 'bicubic': v2.InterpolationMode.BICUBIC}
-    return v2.Compose([v2.Resize(int(args.img_size / args.crop_pct), interp[args.eval_interp],
-                                 antialias=True),  # the shorter side
-                       v2.CenterCrop(args.img_size),
-                       v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+def eval_transform(img_size, crop_pct=0.875, interp='bilinear', norm='jax'):
+    """Resize the shorter side to img_size / crop_pct, centre-crop img_size, normalise."""
+    mode = {'bilinear': v2.InterpolationMode.BILINEAR, 'bicubic': v2.InterpolationMode.BICUBIC}[interp]
+    return v2.Compose([v2.Resize(int(img_size / crop_pct), mode, antialias=True), v2.CenterCrop(img_size),
+                       v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(*MEANS[norm])])
 
 
-class SeededTransform(torch.utils.data.Dataset):
-    """base[index] passed through `transform` under a seed that the sampler hands over with the index.
+class ImageFolder(datasets.ImageFolder):
+    """torchvision's, but an image PIL cannot decode comes back blank with label -1 - index: an exception in a
+    loader worker reaches the main process inside the worker's traceback, so check() names the file instead."""
 
-    Every image's augmentation is then a function of (seed, epoch, position in the epoch's order) only,
-    so it does not depend on the number of workers or processes, and a resumed run draws exactly what
-    the uninterrupted run would have drawn. Only the CPU generator of this process is reseeded, and
-    restored afterwards.
-    """
-
-    def __init__(self, base, transform):
-        self.base, self.transform = base, transform
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, item):
-        index, seed = item
-        img, label = self.base[index]
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            return self.transform(img), label
-
-
-class SyntheticImages(torch.utils.data.Dataset):
-    """Fixed random N(0, 1) images (3, S, S), label index % classes: a stand-in for --synthetic."""
-
-    def __init__(self, n, img_size, num_classes, offset):
-        self.n, self.img_size, self.num_classes, self.offset = n, img_size, num_classes, offset
-
-    def __len__(self):
-        return self.n
+    def __init__(self, root, split, transform, img_size):
+        if not os.path.isdir(os.path.join(root, split)):
+            raise UserError(f'--data {root}: no folder {os.path.join(root, split)}; {LAYOUT}')
+        try:
+            super().__init__(os.path.join(root, split), transform=transform)
+        except (FileNotFoundError, RuntimeError) as e:  # no class folders, or an empty one
+            raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
+        self.img_size = img_size
 
     def __getitem__(self, index):
-        g = torch.Generator().manual_seed(self.offset + index)
-        return torch.randn(3, self.img_size, self.img_size, generator=g), index % self.num_classes
+        try:
+            return super().__getitem__(index)
+        except (OSError, ValueError):  # PIL: cannot identify image file, image file is truncated, ...
+            return torch.zeros(3, self.img_size, self.img_size), -1 - index
+
+    def check(self, y):
+        if (y < 0).any():  # y is still on the CPU: no host sync
+            raise UserError(f'cannot decode the image {self.samples[-1 - int(y.min())][0]} (corrupt or truncated); '
+                            'replace or delete it')
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler that yields whole optimizer steps only, can start at `start_step` of an epoch,
-    and pairs each index with its augmentation seed.
+    """DistributedSampler that yields whole optimizer steps only, from step `start` of the epoch on.
 
     Each epoch is one global permutation (seed + epoch) that rank r reads at positions r, r + W, ...
-    The first s steps of any world size W consume the same first s * batch positions, so skipping
-    them is a slice of the index list: nothing is loaded and thrown away.
+    (drop_last: no padded repeats), so optimizer step s of ANY world size covers positions s*batch ...
+    (s+1)*batch - 1 of it, and resuming at step s is a slice: nothing seen twice, nothing skipped.
     """
 
-    def __init__(self, dataset, num_replicas, rank, seed, per_step):
-        # drop_last: no padding with repeated images, so steps = N // global batch on any world size
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
-                         drop_last=True)
-        self.per_step = per_step  # samples this process consumes per optimizer step
-        self.steps = self.num_samples // per_step  # optimizer steps per epoch; the tail is dropped
-        self.start_step = 0
+    def __init__(self, n, num_replicas, rank, seed, per_step):
+        super().__init__(range(n), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.per_step, self.start = per_step, 0  # per_step: samples this process takes per optimizer step
+        self.steps = self.num_samples // per_step  # optimizer steps per epoch (= N // batch); the tail is dropped
 
     def __iter__(self):
-        order = list(super().__iter__())
-        base = (self.seed * 1000 + self.epoch) << 24  # per-epoch seed space, 2^24 positions per epoch
-        return iter([(order[j], base + self.rank + self.num_replicas * j)
-                     for j in range(self.start_step * self.per_step, self.steps * self.per_step)])
+        return iter(list(super().__iter__())[self.start * self.per_step:self.steps * self.per_step])
 
     def __len__(self):
-        return (self.steps - self.start_step) * self.per_step
-
-
-def image_folder(root, split, transform=None):
-    path = os.path.join(root, split)
-    if not os.path.isdir(path):
-        fail(f'--data {root}: no folder {path}; {LAYOUT}')
-    try:
-        return datasets.ImageFolder(path, transform=transform)
-    except (FileNotFoundError, RuntimeError) as e:
-        fail(f'--data {root}: {e} ; {LAYOUT}')
+        return (self.steps - self.start) * self.per_step
 
 
 # -----------------------------------------------------------------------------
-# Models: every named config of the three model files, plus torchvision's ResNets (the SAM paper's
-# baselines).
-FAMILIES = {'vit': vit, 'mixer': mixer, 'convmixer': convmixer}
+# Models: the configs of the three model files, plus torchvision's ResNets (the SAM paper's baselines).
 RESNETS = {'resnet50': torchvision.models.resnet50, 'resnet101': torchvision.models.resnet101,
            'resnet152': torchvision.models.resnet152}
 
 
-def model_names():
-    return [n for m in FAMILIES.values() for n in m.configs] + list(RESNETS)
-
-
 def parse_model_kw(items):
     kw = {}
-    for item in items:
-        key, sep, value = item.partition('=')
-        if not sep:
-            fail(f'--model-kw expects KEY=VALUE, got {item!r}')
+    for key, sep, value in (item.partition('=') for item in items):
+        if not sep or key in ('num_classes', 'img_size'):
+            raise UserError(f'--model-kw {key}{sep}{value}: expected KEY=VALUE; the class count comes from --data, '
+                            'the size from --img-size')
         try:
-            kw[key] = ast.literal_eval(value)
+            kw[key] = literal_eval(value)
         except (ValueError, SyntaxError):
             kw[key] = value  # a bare word such as gelu=tanh
     return kw
 
 
-def build_model(name, num_classes, img_size, overrides):
-    """vit/mixer get img_size (their position embedding / token MLP depend on it); ConvMixer and
-    ResNet are fully convolutional and take any size."""
-    if name in RESNETS:
-        return RESNETS[name](num_classes=num_classes, **overrides)
-    for family, module in FAMILIES.items():
-        if name in module.configs:
-            size = {} if family == 'convmixer' else dict(img_size=img_size)
-            return module.create(name, num_classes=num_classes, **{**size, **overrides})
-    raise ValueError(f'unknown model {name!r}; valid names: {", ".join(model_names())}')
+def build_model(name, num_classes, img_size, model_kw):
+    """ViT/Mixer get img_size (position embedding, token MLP); ConvMixer and ResNet take any size."""
+    names = [*vit.configs, *mixer.configs, *convmixer.configs, *RESNETS]
+    if name not in names:
+        raise UserError(f'unknown model {name!r}; valid names: {", ".join(names)}')
+    try:
+        if name in RESNETS:
+            return RESNETS[name](num_classes=num_classes, **model_kw)
+        family = vit if name in vit.configs else mixer if name in mixer.configs else convmixer
+        size = {} if family is convmixer else dict(img_size=img_size)
+        return family.create(name, num_classes=num_classes, **size, **model_kw)
+    except (TypeError, ValueError) as e:  # an unknown key (TypeError names it), or a shape the model refuses
+        kw = ' '.join(f'{k}={v}' for k, v in model_kw.items())
+        raise UserError(f'--model {name} --img-size {img_size} --model-kw {kw}: {e}') from None
 
 
-def load_state_dict_checked(model, state_dict):
-    """Strict load that names the first mismatched key and both shapes (torch lists every key)."""
-    sd = {k.removeprefix('module.').removeprefix('_orig_mod.'): v for k, v in state_dict.items()}
-    own = model.state_dict()
-    for key, value in own.items():
-        if key not in sd:
-            raise ValueError(f'checkpoint has no {key!r} (the model\'s is {tuple(value.shape)}): '
-                             'a checkpoint of another architecture?')
-        if tuple(sd[key].shape) != tuple(value.shape):
-            raise ValueError(f'shape mismatch at {key!r}: checkpoint {tuple(sd[key].shape)}, '
-                             f'model {tuple(value.shape)}')
-    for key in sd:
-        if key not in own:
-            raise ValueError(f'checkpoint key {key!r} {tuple(sd[key].shape)} is not in the model')
-    model.load_state_dict(sd)
+LOAD_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile)
 
 
-def load_weights(model, name, path):
-    """--eval-only --checkpoint: the model files' own loaders know our checkpoints, timm state_dicts,
-    the official JAX .npz files and locuslab's .pth.tar; ResNets take a torchvision state_dict."""
-    if name in RESNETS:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
-        for key in ('model', 'state_dict'):  # ours, or a common wrapper
-            if isinstance(ckpt, dict) and isinstance(ckpt.get(key), dict):
-                ckpt = ckpt[key]
-        load_state_dict_checked(model, ckpt)
-    else:
-        family = next(m for m in FAMILIES.values() if name in m.configs)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter('always')
-            family.load_checkpoint(model, path)
-        for w in caught:
-            # The loaders keep the model's own head when the file has another number of classes
-            # (right for fine-tuning); for evaluation that head is random, so refuse.
-            if 'head' in str(w.message):
-                raise ValueError(f'{w.message}; evaluating with an untrained head means nothing: '
-                                 'the validation folders must match the checkpoint\'s classes')
-            print(f'warning: {w.message}', file=sys.stderr)
+def torch_load(path, mmap=False):
+    """Tensors and plain containers only; timm's train checkpoints also hold an argparse.Namespace."""
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
+
+
+def stored_args(path):
+    """The flags of the run that wrote `path` if it is one of our last.pt files, else None."""
+    try:
+        ckpt = torch_load(path, mmap=True)  # mmap: reads only what is used
+    except LOAD_ERRORS:
+        return None
+    ours = isinstance(ckpt, dict) and {'model', 'optimizer', 'scaler', 'step', 'history', 'args'} <= ckpt.keys()
+    return ckpt['args'] if ours else None
+
+
+def one_line(e, limit=600):
+    text = ' '.join(str(e).split())  # torch's strict-load message spans lines
+    return text if len(text) <= limit else text[:limit] + ' ...'
+
+
+def load_weights(model, path, finetune=False):
+    """Load strictly: our last.pt ('model'), a timm state_dict or train checkpoint ('state_dict'), locuslab's
+    ConvMixer .pth.tar (via convmixer.from_locuslab), a torchvision ResNet state_dict, or an official JAX
+    .npz (vit.load_npz / mixer.load_npz); 'module.' and '_orig_mod.' prefixes go. A head for another class
+    count is refused, or with finetune=True the model keeps its own (and a ViT position embedding is
+    resampled to the model's grid). Every failure is one UserError."""
+    what = f'--checkpoint {path} ({type(model).__name__})'
+    try:
+        if path.endswith('.npz'):
+            if not isinstance(model, (vit.VisionTransformer, mixer.MlpMixer)):
+                raise UserError(f'{what}: an .npz holds an official JAX ViT or Mixer')
+            sd = (vit if isinstance(model, vit.VisionTransformer) else mixer).load_npz(path)
+        else:
+            sd = torch_load(path)
+            sd = sd.get('model', sd.get('state_dict', sd)) if isinstance(sd, dict) else sd
+            if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+                raise UserError(f'{what}: no state_dict in the file (bare, or under "model" or "state_dict")')
+            for prefix in ('module.', '_orig_mod.'):
+                consume_prefix_in_state_dict_if_present(sd, prefix)
+            sd = convmixer.from_locuslab(sd) if isinstance(model, convmixer.ConvMixer) else sd
+        own, head = model.state_dict(), 'fc' if isinstance(model, torchvision.models.ResNet) else 'head'
+        theirs, mine = sd.get(head + '.weight'), own[head + '.weight']
+        if theirs is not None and theirs.shape[0] != mine.shape[0]:
+            if not finetune:
+                raise UserError(f'{what}: its head has {theirs.shape[0]} classes, --data {mine.shape[0]}; '
+                                'evaluating with an untrained head means nothing')
+            sd[head + '.weight'], sd[head + '.bias'] = mine, own[head + '.bias']
+        if finetune and isinstance(model, vit.VisionTransformer):
+            sd['pos_embed'] = vit.resample_pos_embed(sd['pos_embed'], model.grid, model.num_prefix_tokens)
+        model.load_state_dict(sd)
+    except LOAD_ERRORS as e:
+        raise UserError(f'{what}: {type(e).__name__}: {one_line(e)}') from None
 
 
 # -----------------------------------------------------------------------------
-# One optimizer step, with gradient accumulation and optionally SAM.
-def train_step(model, optimizer, scaler, micro, loss_fn, autocast, *, sam, clip_grad):
+# One optimizer step, with gradient accumulation and optionally SAM; the LR schedule; evaluation.
+def accumulate(model, micro, scaler, label_smoothing, amp_dtype):
+    """Backward of each micro-batch's loss / k: the summed gradient is that of the mean loss over the whole
+    batch (exactly so without BatchNorm). Under DDP only the last backward all-reduces."""
+    no_sync, total = getattr(model, 'no_sync', None), 0.0  # no_sync: DDP (also through torch.compile)
+    for j, (x, y) in enumerate(micro):  # y: class indices, or mixup/cutmix soft targets (B, classes)
+        with no_sync() if no_sync is not None and j < len(micro) - 1 else contextlib.nullcontext():
+            with torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(model(x).float(), y, label_smoothing=label_smoothing) / len(micro)
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    return total
+
+
+def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothing=0.0, amp_dtype=None):
     """One optimizer step on a batch split into k = len(micro) micro-batches [(x, y), ...].
 
-    Each micro-batch loss is divided by k, so the summed gradient is the gradient of the mean loss
-    over the whole batch (exactly so for models without BatchNorm). Under DDP only the last backward
-    of the pass that feeds the optimizer all-reduces; the others run in no_sync().
-    SAM (Foret et al. Alg. 1) with accumulation: the first pass accumulates the clean gradient g over
-    all k micro-batches without any all-reduce (first_pass: m-sharpness, each replica its own
-    eps-hat), then perturbs ONCE, w <- w + rho g/||g||; the second pass accumulates g_SAM at that one
-    point and all-reduces on its last micro-batch; the base step then starts from the restored w.
-    Returns the mean loss of the (first) pass and the pre-clipping gradient norm (0 when clipping
-    is off), as tensors.
+    SAM (Foret et al. Alg. 1): the first pass accumulates the clean gradient g over all k micro-batches with
+    no all-reduce at all (first_pass = no_sync: m-sharpness, each replica its own eps-hat, as in the official
+    JAX code), then perturbs ONCE, w <- w + rho g/||g||; the second pass accumulates g_SAM at that point and
+    all-reduces on its last micro-batch; the base step starts from the restored w. Clipping acts on g_SAM,
+    after the second backward. Returns the (first pass's) mean loss.
     """
-    k = len(micro)
-    no_sync = getattr(model, 'no_sync', None)  # DDP (also through torch.compile's wrapper)
-
-    def accumulate(sync_last):
-        total = 0.0
-        for j, (x, y) in enumerate(micro):
-            sync = sync_last and j == k - 1
-            with no_sync() if no_sync is not None and not sync else contextlib.nullcontext():
-                with autocast():
-                    loss = loss_fn(model(x), y) / k
-                scaler.scale(loss).backward()
-            total += loss.detach()
-        return total
-
     if sam:
-        with first_pass(model):                 # no all-reduce anywhere in the first pass
-            loss = accumulate(sync_last=False)
-        optimizer.first_step(zero_grad=True)    # climb to w + eps_hat
-        with second_pass(model):                # BatchNorm running stats come from the first pass
-            accumulate(sync_last=True)          # g_SAM, averaged over replicas
+        with first_pass(model):
+            loss = accumulate(model, micro, scaler, label_smoothing, amp_dtype)
+        optimizer.first_step(zero_grad=True)  # climb to w + eps_hat
+        with second_pass(model):  # BatchNorm running stats come from the first pass only
+            accumulate(model, micro, scaler, label_smoothing, amp_dtype)  # g_SAM, averaged over replicas
     else:
-        loss = accumulate(sync_last=True)
-    grad_norm = torch.zeros(())
-    if clip_grad > 0:                           # clip the gradient the base optimizer uses (g_SAM)
+        loss = accumulate(model, micro, scaler, label_smoothing, amp_dtype)
+    if clip_grad > 0:
         scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    scaler.step(optimizer)                      # SAM: back to w, then the AdamW step with g_SAM
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+    scaler.step(optimizer)  # SAM: back to w, then the AdamW step with g_SAM
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm
+    return loss
 
 
-# -----------------------------------------------------------------------------
-# Evaluation: every validation image exactly once, whatever the world size.
+def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):
+    """The LR of optimizer step `step` (0-based)."""
+    total, E = epochs * steps_per_epoch, epochs
+    if sched == 'linear':  # SAM paper: linear warmup, then linear decay to 0
+        return peak * ((step + 1) / warmup if step < warmup else max(0.0, (total - step) / max(1, total - warmup)))
+    # locuslab/convmixer: np.interp(t, [0, E*2//5, E*4//5, E], [0, lr, lr/20, 0]), t = epoch + (i + 1) / steps
+    return peak * float(np.interp((step + 1) / steps_per_epoch, [0, E * 2 // 5, E * 4 // 5, E], [0, 1, 1 / 20, 0]))
+
+
 @torch.no_grad()
-def evaluate(model, loader, device, autocast, channels_last, distributed):
-    """Rank r evaluates images r, r + W, ... (no padding, no duplicates); the counts are summed."""
-    was_training = model.training
+def evaluate(model, loader, amp_dtype=None, channels_last=False, distributed=False):
+    """Exact: rank r evaluates images r, r + W, ... (no padding, no duplicates); the counts are summed."""
+    was_training, device = model.training, next(model.parameters()).device
     model.eval()
     stats = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, images
     for x, y in loader:
-        x = x.to(device, non_blocking=True,
-                 memory_format=torch.channels_last if channels_last else torch.preserve_format)
-        y = y.to(device, non_blocking=True)
-        with autocast():
-            logits = model(x)
-        logits = logits.float()
+        loader.dataset.check(y)
+        fmt = torch.channels_last if channels_last else torch.preserve_format
+        x, y = x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(x).float()
         hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]  # (B, 5)
-        stats[:3] += torch.stack([F.cross_entropy(logits, y, reduction='sum').double(),
-                                  hit[:, 0].sum().double(), hit.any(1).sum().double()])
+        stats[:3] += torch.stack([F.cross_entropy(logits, y, reduction='sum').double(), hit[:, 0].sum().double(),
+                                  hit.any(1).sum().double()])
         stats[3] += len(y)  # a Python number: no host-to-device copy (which would sync)
     if distributed:
         dist.all_reduce(stats)
     model.train(was_training)
     loss, top1, top5, n = stats.tolist()
-    n = int(n)
-    return dict(loss=loss / max(n, 1), top1=100 * top1 / max(n, 1), top5=100 * top5 / max(n, 1),
-                correct1=int(top1), correct5=int(top5), n=n)
+    return dict(loss=loss / max(n, 1), top1=100 * top1 / max(n, 1), top5=100 * top5 / max(n, 1), correct=int(top1),
+                n=int(n))
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: written by rank 0, atomically (temp file + os.replace), with everything to resume.
-def save_checkpoint(path, master, distributed, model, optimizer, scheduler, scaler, epoch, step, args,
-                    steps_per_epoch):
-    """All ranks call this: each one's RNG state is gathered, so a resumed run draws the same numbers."""
-    rng = {'torch': torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng['cuda'] = torch.cuda.get_rng_state()
-    rngs = [None] * (dist.get_world_size() if distributed else 1)
+# Output: every file written atomically; a failed write ends the run and keeps the previous file.
+def check_out(out, resume, overwrite):
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f'--out {out} is a file, not a folder')
+    held = [f for f in ('last.pt', 'metrics.jsonl', 'args.json') if os.path.exists(os.path.join(out, f))]
+    if held and not overwrite and not (resume and os.path.samefile(os.path.dirname(os.path.abspath(resume)), out)):
+        raise UserError(f'--out {out} already holds a run ({", ".join(held)}); use --resume '
+                        f'{os.path.join(out, "last.pt")}, or pick another --out, or pass --overwrite')
+    try:
+        os.makedirs(out, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()  # a real write: permission bits do not stop root
+    except OSError as e:
+        raise UserError(f'--out {out} is not writable: {e.strerror or e}') from None
+
+
+def save_atomic(path, obj):
+    """torch.save(obj), or a str, into PATH.tmp, then os.replace: a crash leaves the old file or the new one. A
+    failed write (a full disk) removes PATH.tmp, keeps the previous PATH and ends the run with one line."""
+    try:
+        with open(path + '.tmp', 'w' if isinstance(obj, str) else 'wb') as f:
+            if isinstance(obj, str):
+                f.write(obj)
+            else:
+                torch.save(obj, f)  # into a file object: a full disk comes back as OSError with its errno
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + '.tmp', path)
+    except (OSError, RuntimeError) as e:
+        kept = f'the previous {os.path.basename(path)} is intact' if os.path.exists(path) else 'nothing was saved there'
+        raise UserError(f'could not write {path}: {getattr(e, "strerror", None) or one_line(e)}; {kept}') from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + '.tmp')
+
+
+def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info):
+    """last.pt first: if it cannot be written, nothing of the run has changed. info: vars(args) and more."""
+    save_atomic(os.path.join(out, 'last.pt'), dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                scaler=scaler.state_dict(), epoch=step // steps_per_epoch, step=step, steps_per_epoch=steps_per_epoch,
+                history=history, args=info))
+    save_atomic(os.path.join(out, 'metrics.jsonl'), ''.join(json.dumps(r, allow_nan=False) + '\n' for r in history))
+    save_atomic(os.path.join(out, 'args.json'), json.dumps(info, indent=1))
+
+
+def fmt_time(s):
+    s = int(round(s))
+    return f'{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}' if s >= 3600 else f'{s // 60}:{s % 60:02d}'
+
+
+def since_checkpoint(path, saved):
+    return f'the last checkpoint is {path} (step {saved}); continue with --resume {path}' if saved else \
+        'no checkpoint was saved'
+
+
+def check_finite(first_bad, distributed, steps_per_epoch, path, saved):
+    """Stop a diverged run. A host sync: called at log lines and before saving only."""
     if distributed:
-        dist.all_gather_object(rngs, rng)
-    else:
-        rngs[0] = rng
-    if not master:
-        return
-    ckpt = dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(), scaler=scaler.state_dict(), rng=rngs,
-                epoch=epoch, step=step, steps_per_epoch=steps_per_epoch, args=vars(args))
-    torch.save(ckpt, path + '.tmp')
-    os.replace(path + '.tmp', path)
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+    if math.isfinite(s := first_bad.item()):
+        s = int(s)
+        raise UserError(f'training diverged: the loss is not finite from epoch {(s - 1) // steps_per_epoch + 1}, step '
+                        f'{(s - 1) % steps_per_epoch + 1}/{steps_per_epoch} on; nothing was saved after it; '
+                        f'{since_checkpoint(path, saved)}. Lower --lr or clip with --clip-grad')
 
 
 # -----------------------------------------------------------------------------
 def main(argv=None):
-    args = get_args(argv)
-
-    # --- check the user's input before anything slow or collective --------------------------------
-    if args.model not in model_names():
-        fail(f'unknown model {args.model!r}; valid names: {", ".join(model_names())}')
-    overrides = parse_model_kw(args.model_kw)
-    if args.eval_only and not args.checkpoint:
-        fail('--eval-only needs --checkpoint PATH')
-    if args.checkpoint and not args.eval_only:
-        fail('--checkpoint is read by --eval-only; to continue a training run use --resume PATH')
-    for flag, path in (('--checkpoint', args.checkpoint), ('--resume', args.resume)):
-        if path and not os.path.isfile(path):
-            fail(f'{flag}: no such file: {path}')
-    if not args.synthetic and not args.data:
-        fail(f'give --data DIR ({LAYOUT})')
-
-    # --- distributed setup, torchrun style ------------------------------------------------------------
-    world = int(os.environ.get('WORLD_SIZE', 1))
-    rank, local_rank = int(os.environ.get('RANK', 0)), int(os.environ.get('LOCAL_RANK', 0))
-    distributed = world > 1
+    # --- setup: arguments, processes, device, output folder --------------------------------------------
+    args, t_start = get_args(argv), time.time()
+    world, rank, local_rank = (int(os.environ.get(k, d)) for k, d in (('WORLD_SIZE', 1), ('RANK', 0),
+                                                                      ('LOCAL_RANK', 0)))
+    distributed, master = world > 1, rank == 0
+    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
     device = torch.device('cuda', local_rank) if torch.cuda.is_available() else torch.device('cpu')
     if device.type == 'cuda':
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-
-    if args.amp is None:
-        args.amp = 'bf16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'off'
-    amp_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'off': None}[args.amp]
-
-    def autocast():
-        return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-
-    per_step = args.batch_size // world  # samples per process per optimizer step
-    micro_bs = per_step // args.accum_steps
-    if not args.eval_only and micro_bs * args.accum_steps * world != args.batch_size:
-        fail(f'--batch-size {args.batch_size} must be divisible by processes ({world}) x --accum-steps '
-             f'({args.accum_steps})')
-    mean, std = MEANS[args.norm]
-    if args.out is None:
-        args.out = (os.path.dirname(os.path.abspath(args.resume)) if args.resume else
-                    os.path.join('runs', 'imagenet', args.model + ('_sam' if args.sam else '')))
-
-    # --- data --------------------------------------------------------------------------------------
-    if args.synthetic:
-        num_classes = 1000
-        train_base = SyntheticImages(1_281_167, args.img_size, num_classes, offset=0)
-        train_tf = torch.nn.Identity()
-        val_set = SyntheticImages(50_000, args.img_size, num_classes, offset=1 << 40)
-    else:
-        val_set = image_folder(args.data, 'val', eval_transform(args, mean, std))
-        num_classes = len(val_set.classes)
-        if not args.eval_only:
-            train_base = image_folder(args.data, 'train')
-            if train_base.classes != val_set.classes:
-                fail(f'--data {args.data}: train has {len(train_base.classes)} class folders and val '
-                     f'{len(val_set.classes)}, or their names differ; {LAYOUT}')
-            train_tf = train_transform(args, mean, std)
-    workers = dict(num_workers=args.workers, pin_memory=device.type == 'cuda',
-                   persistent_workers=args.workers > 0,
-                   prefetch_factor=args.prefetch if args.workers else None,
-                   generator=torch.Generator())  # own generator: iter(loader) leaves the global RNG alone
-    val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.eval_batch_size,
-                                             sampler=range(rank, len(val_set), world), **workers)
+    bf16 = device.type == 'cuda' and torch.cuda.is_bf16_supported()
+    amp = args.amp if args.amp != 'auto' else 'bf16' if bf16 else 'off'
+    amp_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'off': None}[amp]
+    fmt = torch.channels_last if args.channels_last else torch.preserve_format
     if not args.eval_only:
-        train_set = SeededTransform(train_base, train_tf)
-        sampler = ResumableSampler(train_set, world, rank, args.seed, per_step)
-        steps_per_epoch = sampler.steps
-        if steps_per_epoch == 0:
-            fail(f'--batch-size {args.batch_size} is larger than the training set ({len(train_set)} images)')
-        train_loader = torch.utils.data.DataLoader(train_set, batch_size=micro_bs, sampler=sampler,
-                                                   **workers)
-        mix = [v2.MixUp(alpha=args.mixup, num_classes=num_classes)] if args.mixup > 0 else []
-        mix += [v2.CutMix(alpha=args.cutmix, num_classes=num_classes)] if args.cutmix > 0 else []
-        mix = v2.RandomChoice(mix) if mix else None  # on the collated batch: one of them, p 0.5 each
-
-    # --- model ------------------------------------------------------------------------------------
-    torch.manual_seed(args.seed)  # the same initial weights on every rank and world size
-    try:
-        raw_model = build_model(args.model, num_classes, args.img_size, overrides)
-    except (TypeError, ValueError) as e:
-        fail(f'--model {args.model} --model-kw {" ".join(args.model_kw)}: {e}')
-    if args.eval_only:
-        try:
-            load_weights(raw_model, args.model, args.checkpoint)
-        except (ValueError, RuntimeError, KeyError, OSError, pickle.UnpicklingError) as e:
-            fail(f'--checkpoint {args.checkpoint} does not fit --model {args.model}: {e}')
-    raw_model.to(device)
-    if args.channels_last:
-        raw_model.to(memory_format=torch.channels_last)
-    torch.manual_seed(args.seed + rank)  # dropout / drop-path / mixup draws differ between ranks
+        if args.batch_size % (world * args.accum_steps):
+            raise UserError(f'--batch-size {args.batch_size} (global) must divide by processes ({world}) x '
+                            f'--accum-steps ({args.accum_steps})')
+        args.out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else
+                                os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
+        check_out(args.out, args.resume, args.overwrite)
     if distributed:
         dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
-    # Train through DDP; evaluate the bare (compiled) model: its forward has no collectives, so ranks
-    # may run different numbers of evaluation batches.
-    eval_model = torch.compile(raw_model) if args.compile else raw_model
-    log(f'{args.model}: {sum(p.numel() for p in raw_model.parameters()):,} parameters, {num_classes} '
-        f'classes, {args.img_size} px, norm {args.norm}, {world} process(es) on {device.type}, amp {args.amp}')
 
+    # --- data ------------------------------------------------------------------------------------------
+    val_set = ImageFolder(args.data, 'val', eval_transform(args.img_size, args.crop_pct, args.eval_interp, args.norm),
+                          args.img_size)
+    num_classes, loader_kw = len(val_set.classes), dict(num_workers=args.workers, pin_memory=device.type == 'cuda')
+    val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.eval_batch_size,
+                                             sampler=range(rank, len(val_set), world), **loader_kw)
+    if not args.eval_only:
+        train_set = ImageFolder(args.data, 'train', train_transform(args, *MEANS[args.norm]), args.img_size)
+        if train_set.classes != val_set.classes:
+            raise UserError(f'--data {args.data}: the class folders of train ({len(train_set.classes)}) and val '
+                            f'({num_classes}) differ in number or names; {LAYOUT}')
+        per_step = args.batch_size // world  # samples per process per optimizer step
+        sampler = ResumableSampler(len(train_set), world, rank, args.seed, per_step)
+        if (steps := sampler.steps) == 0:
+            raise UserError(f'--batch-size {args.batch_size} is larger than the training set ({len(train_set)} images)')
+        worker_seeds = torch.Generator()  # re-seeded each epoch: the workers' augmentation draws
+        train_loader = torch.utils.data.DataLoader(train_set, batch_size=per_step // args.accum_steps, sampler=sampler,
+                                                   generator=worker_seeds, **loader_kw)
+        mix = [v2.MixUp(alpha=args.mixup, num_classes=num_classes)] if args.mixup > 0 else []
+        mix += [v2.CutMix(alpha=args.cutmix, num_classes=num_classes)] if args.cutmix > 0 else []
+        mix = v2.RandomChoice(mix) if mix else None  # on the collated batch: one of them, p 0.5 each (timm)
+
+    # --- model -----------------------------------------------------------------------------------------
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and world size
+    model = build_model(args.model, num_classes, args.img_size, parse_model_kw(args.model_kw))
     if args.eval_only:
-        res = evaluate(eval_model, val_loader, device, autocast, args.channels_last, distributed)
-        log(f'eval {args.checkpoint}: top-1 {res["top1"]:.3f}% ({res["correct1"]}/{res["n"]}), '
-            f'top-5 {res["top5"]:.3f}%, loss {res["loss"]:.4f}')
-        log(json.dumps(res))
+        load_weights(model, args.checkpoint)
+    model.to(device, memory_format=fmt)
+    # Train through DDP; evaluate the bare (compiled) model: no collectives in its forward, so ranks may run
+    # different numbers of evaluation batches.
+    eval_model = torch.compile(model) if args.compile else model
+    log(f'{args.model}: {sum(p.numel() for p in model.parameters()):,} parameters, {num_classes} classes, '
+        f'{args.img_size} px, norm {args.norm}, {world} process(es) on {device.type}, amp {amp}')
+    if args.eval_only:
+        res = evaluate(eval_model, val_loader, amp_dtype, args.channels_last, distributed)
+        log(f'eval {args.checkpoint} | test loss {res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% '
+            f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
         if distributed:
             dist.barrier()  # leave together: gloo may abort a rank whose peer is still running
             dist.destroy_process_group()
         return res
+    train_model = DDP(model, device_ids=[local_rank] if device.type == 'cuda' else None) if distributed else model
+    train_model = torch.compile(train_model) if args.compile else train_model  # DDP overlaps buckets with backward
 
-    model = raw_model
-    if distributed:
-        model = DDP(raw_model, device_ids=[local_rank] if device.type == 'cuda' else None)
-    if args.compile:
-        model = torch.compile(model)  # compiling the DDP module lets it overlap buckets with backward
+    # --- optimizer: AdamW (betas 0.9, 0.999 in both recipes), wrapped by SAM with --sam -------------------
+    # Decay only weight matrices and conv kernels, as timm does (group 1: biases, norms, pos_embed, cls_token).
+    groups = [dict(params=[], weight_decay=args.wd), dict(params=[], weight_decay=0.0)]
+    for name, p in model.named_parameters():
+        groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
+    peak_lr = args.lr * args.batch_size / args.lr_batch  # linear scaling rule
+    adamw = dict(lr=peak_lr, betas=(0.9, 0.999), eps=args.opt_eps)
+    optimizer = (SAM(groups, torch.optim.AdamW, rho=args.rho, adaptive=args.adaptive, **adamw) if args.sam
+                 else torch.optim.AdamW(groups, **adamw))
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == 'fp16')
 
-    # --- optimizer: AdamW, wrapped by SAM with --sam ---------------------------------------------
-    # Decay only weight matrices and conv kernels, as timm does (biases, norms, pos_embed, cls_token
-    # are not decayed).
-    decay, no_decay = [], []
-    for name, p_ in raw_model.named_parameters():
-        (decay if p_.ndim >= 2 and name not in ('pos_embed', 'cls_token') else no_decay).append(p_)
-    groups = [dict(params=decay, weight_decay=args.wd), dict(params=no_decay, weight_decay=0.0)]
-    lr = args.lr * args.batch_size / args.lr_batch  # linear scaling rule
-    adamw = dict(lr=lr, betas=tuple(args.betas), eps=args.opt_eps)
-    optimizer = SAM(groups, torch.optim.AdamW, rho=args.rho, **adamw) if args.sam else \
-        torch.optim.AdamW(groups, **adamw)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == 'fp16')
-
-    # --- schedule, per optimizer step ----------------------------------------------------------------
-    total_steps = args.epochs * steps_per_epoch
-
-    def lr_factor(s):  # s = optimizer steps already taken
-        if args.sched == 'linear':  # SAM paper: linear warmup, then linear decay to 0
-            if s < args.warmup_steps:
-                return (s + 1) / args.warmup_steps
-            return max(0.0, (total_steps - s) / max(1, total_steps - args.warmup_steps))
-        # one-cycle of locuslab/convmixer: np.interp(t, [0, 2E/5, 4E/5, E], [0, lr, lr/20, 0]),
-        # t = epoch + (i + 1) / steps_per_epoch
-        E = args.epochs
-        return float(np.interp((s + 1) / steps_per_epoch, [0, 0.4 * E, 0.8 * E, E], [0, 1, 1 / 20, 0]))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-
-    def loss_fn(logits, y):  # y: class indices, or mixup/cutmix soft targets (B, classes)
-        return F.cross_entropy(logits.float(), y, label_smoothing=args.smoothing)
-
-    # --- resume -------------------------------------------------------------------------------------
-    epoch, step = 0, 0
+    # --- resume: weights, optimizer, GradScaler, step and history; the RNGs are re-seeded in the loop -------
+    step, history, saved, last = 0, [], None, os.path.join(args.out, 'last.pt')
     if args.resume:
-        try:
-            ckpt = torch.load(args.resume, map_location='cpu', weights_only=True)
-        except Exception as e:  # torch.load on a foreign file fails in many ways; all mean the same here
-            fail(f'--resume {args.resume}: not a file torch.load reads ({type(e).__name__}: {e})')
-        needed = ('model', 'optimizer', 'scheduler', 'scaler', 'rng', 'epoch', 'step', 'steps_per_epoch',
-                  'args')
-        if not isinstance(ckpt, dict) or not all(k in ckpt for k in needed):
-            fail(f'--resume {args.resume} is not a training checkpoint of this script (those hold '
-                 f'{", ".join(needed)}); to evaluate weights use --eval-only --checkpoint')
+        ckpt = torch_load(args.resume)
         old = ckpt['args']
-        if old['model'] != args.model or old['batch_size'] != args.batch_size or \
-                ckpt['steps_per_epoch'] != steps_per_epoch:
-            fail(f'--resume {args.resume} was written for --model {old["model"]} --batch-size '
-                 f'{old["batch_size"]} ({ckpt["steps_per_epoch"]} steps per epoch); this run has --model '
-                 f'{args.model} --batch-size {args.batch_size} ({steps_per_epoch} steps per epoch)')
+        if ckpt['steps_per_epoch'] != steps or old['batch_size'] != args.batch_size:
+            raise UserError(f'--resume {args.resume}: that run has --batch-size {old["batch_size"]} and '
+                            f'{ckpt["steps_per_epoch"]} steps per epoch, this one {args.batch_size} and {steps}; a '
+                            'resumed run keeps its global batch and training set')
         try:
-            load_state_dict_checked(raw_model, ckpt['model'])
-        except ValueError as e:
-            fail(f'--resume {args.resume}: {e}')
-        optimizer.load_state_dict(ckpt['optimizer'])
-        scheduler.load_state_dict(ckpt['scheduler'])
-        scaler.load_state_dict(ckpt['scaler'])
-        epoch, step = ckpt['epoch'], ckpt['step']
-        if len(ckpt['rng']) == world:
-            torch.set_rng_state(ckpt['rng'][rank]['torch'])
-            if 'cuda' in ckpt['rng'][rank] and device.type == 'cuda':
-                torch.cuda.set_rng_state(ckpt['rng'][rank]['cuda'])
-        else:
-            log(f'note: the checkpoint was written by {len(ckpt["rng"])} processes, this run has {world}: '
-                'data order and augmentations continue exactly, dropout/mixup draws do not')
-        log(f'resumed {args.resume} at epoch {epoch}, step {step} ({step - epoch * steps_per_epoch} of '
-            f'{steps_per_epoch} in this epoch)')
+            model.load_state_dict(ckpt['model'])
+            optimizer.load_state_dict(ckpt['optimizer'])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise UserError(f'--resume {args.resume} does not fit this run: {one_line(e)}') from None
+        if ckpt['scaler']:  # {} when the run had no enabled GradScaler (not fp16)
+            scaler.load_state_dict(ckpt['scaler'])
+        step, history, saved = ckpt['step'], ckpt['history'], ckpt['step']
+        for key in RUN_KEYS:  # only flags given on this command line can differ from the run's
+            if old.get(key) != getattr(args, key):
+                log(f'note: --{key.replace("_", "-")} {getattr(args, key)} from step {step} on (the run so far: '
+                    f'{old.get(key)})')
+        log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
+            'epoch)')
         del ckpt
+    info = dict(vars(args), world_size=world, micro_batch=per_step // args.accum_steps, peak_lr=peak_lr,
+                steps_per_epoch=steps, total_steps=args.epochs * steps)
+    log(f'global batch {args.batch_size} = {world} x {args.accum_steps} x {info["micro_batch"]}, peak lr '
+        f'{peak_lr:.3g}, {steps} steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
 
-    ckpt_path = os.path.join(args.out, 'checkpoint.pt')
-    if master:
-        os.makedirs(args.out, exist_ok=True)
-        resolved = dict(vars(args), world_size=world, micro_batch=micro_bs, peak_lr=lr,
-                        steps_per_epoch=steps_per_epoch, total_steps=total_steps)
-        with open(os.path.join(args.out, 'args.json'), 'w') as f:
-            json.dump(resolved, f, indent=1)
-        metrics = open(os.path.join(args.out, 'metrics.jsonl'), 'a')
-
-    def record(**row):
-        if master:
-            metrics.write(json.dumps(row) + '\n')
-            metrics.flush()
-
-    def checkpoint(ep, st):
-        save_checkpoint(ckpt_path, master, distributed, raw_model, optimizer, scheduler, scaler, ep, st,
-                        args, steps_per_epoch)
-
-    log(f'global batch {args.batch_size} = {world} x {args.accum_steps} x {micro_bs}, peak lr {lr:.3g}, '
-        f'{steps_per_epoch} steps/epoch, {total_steps} steps, SAM {"rho=%g" % args.rho if args.sam else "off"}')
-
-    # --- training loop -----------------------------------------------------------------------------
-    model.train()
-    loss_sum = torch.zeros((), device=device)  # summed on the device: no host sync between log lines
-    norm_sum, data_time, t_log, steps_logged = 0.0, 0.0, time.time(), 0
-    stop = False
-    while epoch < args.epochs and not stop:
-        sampler.set_epoch(epoch)
-        sampler.start_step = step - epoch * steps_per_epoch  # > 0 only in a resumed epoch
-        batches = iter(train_loader)
-        for _ in range(sampler.start_step, steps_per_epoch):
-            t0 = time.time()
+    # --- loop: train; at each epoch's end evaluate and checkpoint ------------------------------------------
+    total, stop = args.epochs * steps, min(args.epochs * steps, args.max_steps or math.inf)
+    first_bad = torch.full((), math.inf, device=device)  # the first step with a non-finite loss, kept on the device
+    evals, batches, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], None, time.time(), step
+    train_model.train()
+    try:
+        while step < stop:
+            epoch = step // steps  # counted from 0 here, from 1 in the logs
+            if batches is None:  # an epoch (or the rest of a resumed one) starts: RNGs from (seed, epoch, rank, step)
+                seed = int(np.random.SeedSequence([args.seed, epoch, rank, step % steps]).generate_state(1)[0])
+                torch.manual_seed(seed)  # mixup, dropout (and the augmentation with --workers 0)
+                worker_seeds.manual_seed(seed)  # the workers' augmentation
+                sampler.set_epoch(epoch)
+                sampler.start = start = step % steps
+                batches = iter(train_loader)
+                t_epoch = t_window = time.time()
+                window, n_window, epoch_loss = torch.zeros((), device=device), 0, 0.0  # loss sum, steps
             micro = []
             for _ in range(args.accum_steps):
                 x, y = next(batches)
-                x = x.to(device, non_blocking=True,
-                         memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
-                y = y.to(device, non_blocking=True)
-                if mix is not None:
-                    x, y = mix(x, y)  # y becomes (B, classes) soft targets
-                micro.append((x, y))
-            data_time += time.time() - t0
-            step_lr = optimizer.param_groups[0]['lr']
-            loss, grad_norm = train_step(model, optimizer, scaler, micro, loss_fn, autocast,
-                                         sam=args.sam, clip_grad=args.clip_grad)
-            scheduler.step()
+                train_set.check(y)
+                x, y = x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
+                micro.append(mix(x, y) if mix is not None else (x, y))  # mixup: y -> (B, classes)
+            lr = lr_at(step, peak_lr, args.sched, args.warmup_steps, args.epochs, steps)
+            for group in optimizer.param_groups:
+                group['lr'] = lr
+            loss = train_step(train_model, optimizer, scaler, micro, sam=args.sam, clip_grad=args.clip_grad,
+                              label_smoothing=args.label_smoothing, amp_dtype=amp_dtype)
             step += 1
-            loss_sum += loss
-            norm_sum += grad_norm
-            steps_logged += 1
-
-            if step % args.log_every == 0 or step == total_steps:
+            first_bad = torch.minimum(first_bad, torch.where(loss.isfinite(), math.inf, step))
+            window += loss
+            n_window += 1
+            if (args.log_every and step % args.log_every == 0) or step % steps == 0:
+                check_finite(first_bad, distributed, steps, last, saved)
                 if distributed:
-                    dist.all_reduce(loss_sum)
-                elapsed = time.time() - t_log
-                row = dict(kind='train', epoch=epoch, step=step, lr=step_lr,
-                           loss=loss_sum.item() / world / steps_logged,
-                           grad_norm=float(norm_sum) / steps_logged,
-                           img_per_s=args.batch_size * steps_logged / elapsed,
-                           step_time=elapsed / steps_logged, data_time=data_time / steps_logged)
-                eta = (total_steps - step) * row['step_time']
-                log(f'epoch {epoch + 1}/{args.epochs} step {step - epoch * steps_per_epoch}/{steps_per_epoch} '
-                    f'({step}/{total_steps}) | loss {row["loss"]:.4f} | lr {row["lr"]:.3g} | '
-                    f'grad-norm {row["grad_norm"]:.3f} | {row["img_per_s"]:.0f} img/s | data '
-                    f'{row["data_time"]:.3f} of {row["step_time"]:.3f} s/step | ETA '
-                    f'{int(eta // 3600)}h{int(eta % 3600 // 60):02d}m')
-                record(**row)
-                loss_sum.zero_()
-                norm_sum, data_time, t_log, steps_logged = 0.0, 0.0, time.time(), 0
-
-            if args.max_steps and step >= args.max_steps:
-                log(f'stopping after --max-steps {args.max_steps} (no checkpoint written for this step)')
-                stop = True
-                break
-            if args.save_every and step % args.save_every == 0 and step % steps_per_epoch != 0:
-                t_pause = time.time()
-                checkpoint(epoch, step)  # mid-epoch: --resume continues from this step
-                t_log += time.time() - t_pause  # keep img/s and ETA about training only
-        else:  # the epoch ran to its end
-            t_pause = time.time()
-            epoch += 1
-            checkpoint(epoch, step)
+                    dist.all_reduce(window)
+                seconds = time.time() - t_window
+                history.append(row := dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=window.item() / world
+                                           / n_window, img_per_s=args.batch_size * n_window / seconds,
+                                           elapsed_s=time.time() - t_start))
+                epoch_loss += row['loss'] * n_window
+                eta = (time.time() - t_loop) / (step - step0) * (total - step)  # evaluation time included
+                if step % steps:
+                    log(f'ep {epoch + 1}/{args.epochs} step {step - epoch * steps}/{steps} | loss {row["loss"]:.4f} | '
+                        f'lr {lr:.2e} | {row["img_per_s"]:,.0f} img/s | eta {fmt_time(eta)}')
+                if master and step % steps:  # at the epoch's end save_run writes it
+                    save_atomic(os.path.join(args.out, 'metrics.jsonl'),
+                                ''.join(json.dumps(r, allow_nan=False) + '\n' for r in history))
+                window.zero_()
+                n_window, t_window = 0, time.time()
+            if args.save_every and step % args.save_every == 0 and step % steps:
+                check_finite(first_bad, distributed, steps, last, saved)
+                if master:  # mid-epoch: --resume continues from this step
+                    save_run(args.out, model, optimizer, scaler, step, steps, history, info)
+                saved = step
+            if step % steps:
+                continue
+            # --- the epoch's end: evaluation and checkpoint -------------------------------------------------
+            batches = None
             if distributed:  # BatchNorm statistics: evaluate rank 0's, the ones the checkpoint holds
-                for b in raw_model.buffers():
+                for b in model.buffers():
                     dist.broadcast(b, 0)
-            res = evaluate(eval_model, val_loader, device, autocast, args.channels_last, distributed)
-            log(f'epoch {epoch}/{args.epochs} eval: top-1 {res["top1"]:.3f}% ({res["correct1"]}/{res["n"]}), '
-                f'top-5 {res["top5"]:.3f}%, loss {res["loss"]:.4f}')
-            record(kind='eval', epoch=epoch, step=step, **res)
-            t_log += time.time() - t_pause
+            res = evaluate(eval_model, val_loader, amp_dtype, args.channels_last, distributed)
+            if not math.isfinite(res['loss']):
+                raise UserError(f'training diverged: the weights after epoch {epoch + 1} (step {step}) give a '
+                                f'non-finite test loss; {since_checkpoint(last, saved)}')
+            evals.append(dict(kind='eval', epoch=epoch + 1, step=step, **res, elapsed_s=time.time() - t_start))
+            history.append(evals[-1])
+            if master:
+                save_run(args.out, model, optimizer, scaler, step, steps, history, info)
+            saved = step
+            log(f'ep {epoch + 1}/{args.epochs} | train loss {epoch_loss / (steps - start):.4f} | test loss '
+                f'{res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% | {time.time() - t_epoch:.1f} s | '
+                f'eta {fmt_time((time.time() - t_loop) / (step - step0) * (total - step))}')
+    except KeyboardInterrupt:
+        if master:
+            print(f'train_imagenet.py: interrupted in epoch {step // steps + 1}; {since_checkpoint(last, saved)}',
+                  file=sys.stderr)
+        sys.exit(130)
 
-    if master:
-        metrics.close()
+    # --- done --------------------------------------------------------------------------------------------
+    if step < total:
+        log(f'stopped after --max-steps {args.max_steps}; {since_checkpoint(last, saved)}')
+    else:
+        log(f'done | {args.model} on imagenet | epoch {args.epochs}/{args.epochs} | test acc {evals[-1]["top1"]:.2f}% '
+            f'(best {max(r["top1"] for r in evals):.2f}%) | {fmt_time(time.time() - t_start)} wall | {last}')
     if distributed:
         dist.barrier()  # rank 0 may still be writing: leave together (gloo aborts a one-sided teardown)
         dist.destroy_process_group()
+    return evals[-1] if evals else None
 
 
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except UserError as e:
+        sys.exit(f'train_imagenet.py: error: {e}')
+    except KeyboardInterrupt:  # main() handles it once training has started
+        print('train_imagenet.py: interrupted before training started; nothing was saved', file=sys.stderr)
+        sys.exit(130)

@@ -68,12 +68,13 @@ def test_parameter_count_and_keys_match_timm(name):
 
 @pytest.mark.parametrize('family,name', ALL_CONFIGS)
 def test_every_config_runs_forward_and_backward(family, name):
-    """Full width and depth of each config, but a tiny input so it fits a CPU test."""
+    """Full width of each config (patch, heads, MLP sizes), one block (the blocks are identical;
+    full-depth counts are checked above on meta tensors) and a tiny input, to fit a CPU test."""
     torch.manual_seed(0)
     cfg = MODULES[family].configs[name]
     patch = cfg.get('patch_size', 16)
     size = 2 * patch  # 4 tokens
-    kw = {} if family == 'convmixer' else {'img_size': size}
+    kw = {'depth': 1} if family == 'convmixer' else {'img_size': size, 'depth': 1}
     model = MODULES[family].create(name, **kw)
     torch.nn.init.normal_(model.head.weight, std=0.02)  # a zero head (ViT, Mixer) zeroes every gradient
     x = torch.randn(2, 3, size, size)
@@ -118,18 +119,21 @@ def randomise(model, seed=0, scale=0.05):
     return model
 
 
+# Depth is cut to 2 where the full model is slow to build on a CPU (the blocks are identical, and
+# the full-depth keys and shapes are compared with timm above); vit_ti16, vit_s4_cifar and the
+# ConvMixers run at full depth.
 EQUIVALENCE = [
     # (ours, overrides, timm constructor, timm kwargs, input size)
-    ('vit', 'vit_s16', {}, TimmViT, dict(patch_size=16, embed_dim=384, depth=12, num_heads=6), 224),
+    ('vit', 'vit_s16', dict(depth=2), TimmViT, dict(patch_size=16, embed_dim=384, depth=2, num_heads=6), 224),
     ('vit', 'vit_ti16', dict(pool='avg'), TimmViT,
      dict(embed_dim=192, depth=12, num_heads=3, global_pool='avg', class_token=False), 224),
-    ('vit', 'vit_s16', dict(img_size=32, patch_size=4, num_classes=10), TimmViT,
-     dict(img_size=32, patch_size=4, embed_dim=384, depth=12, num_heads=6, num_classes=10), 32),
+    ('vit', 'vit_s16', dict(img_size=32, patch_size=4, num_classes=10, depth=2), TimmViT,
+     dict(img_size=32, patch_size=4, embed_dim=384, depth=2, num_heads=6, num_classes=10), 32),
     ('vit', 'vit_s4_cifar', {}, TimmViT,
      dict(img_size=32, patch_size=4, embed_dim=384, depth=6, num_heads=6, num_classes=10), 32),
-    ('mixer', 'mixer_s16', {}, TimmMixer, dict(patch_size=16, num_blocks=8, embed_dim=512), 224),
-    ('mixer', 'mixer_b16', dict(img_size=32, patch_size=4, num_classes=10), TimmMixer,
-     dict(img_size=32, patch_size=4, num_blocks=12, embed_dim=768, num_classes=10), 32),
+    ('mixer', 'mixer_s16', dict(depth=2), TimmMixer, dict(patch_size=16, num_blocks=2, embed_dim=512), 224),
+    ('mixer', 'mixer_b16', dict(img_size=32, patch_size=4, num_classes=10, depth=2), TimmMixer,
+     dict(img_size=32, patch_size=4, num_blocks=2, embed_dim=768, num_classes=10), 32),
     ('convmixer', 'convmixer_768_32', {}, TimmConvMixer,
      dict(dim=768, depth=32, kernel_size=7, patch_size=7, act_layer=torch.nn.ReLU), 64),
     ('convmixer', 'convmixer_1024_20', {}, TimmConvMixer,
@@ -165,8 +169,7 @@ GRADIENT_CASES = [  # small configs in train mode: BatchNorm uses batch statisti
 
 @pytest.mark.parametrize('family,ours_kw,timm_cls,timm_kw', GRADIENT_CASES, ids=[c[0] for c in GRADIENT_CASES])
 def test_gradients_equal_timm(family, ours_kw, timm_cls, timm_kw):
-    """The speed changes (ViT's class-token-only last block, Mixer's baddbmm, ConvMixer's in-place
-    residual) keep the backward pass: every gradient and BN running stat equals timm's."""
+    """The backward pass too: every gradient and BN running stat equals timm's in train mode."""
     torch.manual_seed(0)
     theirs = randomise(timm_cls(**timm_kw)).train()
     cls = {'vit': vit.VisionTransformer, 'mixer': mixer.MlpMixer, 'convmixer': convmixer.ConvMixer}[family]
@@ -221,13 +224,20 @@ def test_mixer_mlp_widths_are_half_and_four_times_c():
     assert default.blocks[0].mlp_tokens.fc1.weight.shape == (384, 196)
 
 
-def test_mixer_token_mixing_matches_transposed_linear():
-    """Our transpose-free token MLP equals the paper's W2 GELU(W1 X^T) written literally."""
+def test_mixer_block_is_the_papers_equation():
+    """Mixer eq. (1) written with explicit index sums, S != C so a transpose in the wrong place
+    cannot go unnoticed: U[s,c] = X[s,c] + sum_j W2[s,j] GELU(sum_t W1[j,t] LN(X)[t,c] + b1[j]) + b2[s],
+    Y = U + W4 GELU(W3 LN(U)) over channels."""
     torch.manual_seed(0)
-    mlp = mixer.MlpBlock(16, 8, 'tokens', 0.0, 'exact')
-    x = torch.randn(3, 16, 5)  # (B, S, C)
-    ref = mlp.fc2(torch.nn.functional.gelu(mlp.fc1(x.transpose(1, 2)))).transpose(1, 2)
-    torch.testing.assert_close(mlp(x), ref)
+    block = randomise(mixer.MixerBlock(16, 12, 8, 48, 0.0, 0.0, 'exact')).eval()  # S=16, C=12, D_S=8, D_C=48
+    x = torch.randn(3, 16, 12)  # (B, S, C)
+    gelu, t, c = torch.nn.functional.gelu, block.mlp_tokens, block.mlp_channels
+    h = gelu(torch.einsum('jt,btc->bjc', t.fc1.weight, block.norm1(x)) + t.fc1.bias[:, None])  # (B, D_S, C)
+    u = x + torch.einsum('sj,bjc->bsc', t.fc2.weight, h) + t.fc2.bias[:, None]
+    h = gelu(torch.einsum('kc,bsc->bsk', c.fc1.weight, block.norm2(u)) + c.fc1.bias)  # (B, S, D_C)
+    ref = u + torch.einsum('ck,bsk->bsc', c.fc2.weight, h) + c.fc2.bias
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), ref.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_convmixer_layout_is_conv_act_bn_with_depthwise_residual_only():
@@ -277,9 +287,11 @@ def test_attention_maps_slow_path_equals_fused_path():
     model = randomise(vit.create('vit_ti16', img_size=32, patch_size=8, depth=3)).eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        fast, _ = model.forward_features(x)
+        fast = model.forward_features(x)
         slow, attns = model.forward_features(x, return_attn=True)
+        maps = model.get_attention_maps(x)
     torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)
+    assert len(maps) == 3 and all(torch.equal(a, b) for a, b in zip(maps, attns))
     assert len(attns) == 3 and attns[0].shape == (2, 3, 17, 17)
     torch.testing.assert_close(attns[0].sum(-1), torch.ones(2, 3, 17))
     # the first block's map, computed by hand from its weights
@@ -307,3 +319,55 @@ def test_regularisers_and_gelu_option():
     with torch.no_grad():
         diff = (tanh(x) - base(x)).abs().max()
     assert 0 < diff < 1e-2  # the tanh approximation is close to, but not, exact GELU
+
+
+# -----------------------------------------------------------------------------
+# Impossible shapes: one ValueError that names the problem, instead of a smaller model than asked
+# (issue 12: depth=-1 built a zero-block model, patch_size=5 at 32 px dropped the image border).
+
+V, M, C = vit.VisionTransformer, mixer.MlpMixer, convmixer.ConvMixer
+SMALL = {V: dict(img_size=32, patch_size=8, dim=32, depth=1, heads=2),
+         M: dict(img_size=32, patch_size=8, dim=32, depth=1),
+         C: dict(dim=32, depth=1, kernel_size=3, patch_size=2)}
+BAD_SHAPES = [
+    (V, dict(depth=0), 'depth must be a positive integer, got 0'),
+    (V, dict(depth=-1), 'depth must be a positive integer, got -1'),
+    (V, dict(dim=0), 'dim must be a positive integer, got 0'),
+    (V, dict(dim='abc'), "dim must be a positive integer, got 'abc'"),
+    (V, dict(heads=0), 'heads must be a positive integer, got 0'),
+    (V, dict(heads=3), 'heads=3 does not divide dim=32'),
+    (V, dict(patch_size=5), r'img_size=32 is not divisible by patch_size=5: .*drops the image border \(2 px\)'),
+    (V, dict(patch_size=0), 'patch_size must be a positive integer, got 0'),
+    (V, dict(mlp_ratio=0.01), 'mlp_hidden must be a positive integer, got 0'),
+    (V, dict(gelu='fast'), r"gelu must be one of \('exact', 'tanh'\), got 'fast'"),
+    (V, dict(pool='max'), r"pool must be one of \('token', 'avg'\), got 'max'"),
+    (M, dict(depth=0), 'depth must be a positive integer, got 0'),
+    (M, dict(dim=-4), 'dim must be a positive integer, got -4'),
+    (M, dict(patch_size=5), r'img_size=32 is not divisible by patch_size=5: .*drops the image border'),
+    (M, dict(tokens_mlp_dim=0), 'tokens_mlp_dim must be a positive integer, got 0'),
+    (M, dict(channels_mlp_dim=-1), 'channels_mlp_dim must be a positive integer, got -1'),
+    (M, dict(dim=1), 'tokens_mlp_dim must be a positive integer, got 0'),  # default C/2 rounds to 0
+    (M, dict(gelu='fast'), r"gelu must be one of \('exact', 'tanh'\), got 'fast'"),
+    (C, dict(depth=0), 'depth must be a positive integer, got 0'),
+    (C, dict(dim=0), 'dim must be a positive integer, got 0'),
+    (C, dict(kernel_size=0), 'kernel_size must be a positive integer, got 0'),
+    (C, dict(patch_size=0), 'patch_size must be a positive integer, got 0'),
+    (C, dict(activation='swish'), r"activation must be one of \('gelu', 'relu'\), got 'swish'"),
+]
+
+
+@pytest.mark.parametrize('cls,bad,message', BAD_SHAPES,
+                         ids=[f'{c.__name__}-{next(iter(b))}={next(iter(b.values()))}' for c, b, _ in BAD_SHAPES])
+def test_impossible_shapes_raise_a_clear_value_error(cls, bad, message):
+    cls(**SMALL[cls])  # the base config itself is fine
+    with pytest.raises(ValueError, match=message):
+        cls(**{**SMALL[cls], **bad})
+
+
+def test_vit_input_that_does_not_divide_into_patches_is_an_error():
+    """Other input sizes work (the position grid is resampled), but never by dropping the border."""
+    model = vit.VisionTransformer(**SMALL[V]).eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 40, 24)).shape == (1, 1000)
+        with pytest.raises(ValueError, match='input of 30x32 px does not divide into 8 px patches'):
+            model(torch.randn(1, 3, 30, 32))

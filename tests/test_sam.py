@@ -573,3 +573,22 @@ def test_misuse_fails_loudly():
     opt.first_step()
     with pytest.raises(RuntimeError, match='twice'):
         opt.first_step()
+
+
+def test_lr_scheduler_sees_second_step_and_warns_nothing():
+    """second_step() goes through SAM.step, so a scheduler attached to SAM knows the optimizer
+    stepped: PyTorch's "lr_scheduler.step() before optimizer.step()" warning must not appear."""
+    import warnings
+    m = _mlp(0)
+    opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    x, y = _data(0, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # any warning fails the test
+        for _ in range(2):
+            F.cross_entropy(m(x), y).backward()
+            opt.first_step(zero_grad=True)
+            F.cross_entropy(m(x), y).backward()
+            opt.second_step(zero_grad=True)
+            sched.step()
+    assert opt.param_groups[0]['lr'] == 0.1 * 0.5 ** 2

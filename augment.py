@@ -1,0 +1,250 @@
+"""CIFAR augmentation on the training device, a whole batch at once, every random choice drawn per image.
+
+    augment = make_augment(aug='strong', scale=0.75, randaug_n=1, randaug_m=8, jitter=0.1, reprob=0.25,
+                           mean=(0.4914, 0.4822, 0.4465), std=(0.2471, 0.2435, 0.2616), device='cuda')
+    x = augment(x_uint8)        # (B, 3, 32, 32) uint8 on the device -> normalised float32
+
+strong (locuslab/convmixer-cifar10): RandomResizedCrop(32, scale=(scale, 1), ratio=(1, 1)) -> flip ->
+    RandAugment(randaug_n, randaug_m) -> ColorJitter(jitter x 3) -> Normalize -> RandomErasing(reprob, value 0).
+basic (the SAM paper's CIFAR setting, Foret et al. 2021): 4-px zero padding, random 32x32 crop, flip, Normalize.
+
+Exactness: between ops an image is float32 holding integers 0..255, rounded or truncated where
+torchvision's uint8 tensor ops do, so each op equals torchvision.transforms.v2's (tests/test_augment.py
+checks it against torchvision's own RandAugment draws). locuslab runs the PIL ops, which round differently.
+
+One code path for CPU and CUDA, without host syncs: every op takes per-image parameters, and an image
+that did not draw an op gets its identity parameter (factor 1, 8 bits, threshold 256, the identity
+matrix), which leaves it bit-exact; no op needs the list of images that drew it (boolean indexing
+waits for the GPU). The price: all 14 RandAugment ops run on every image (the five geometric ones as
+one grid_sample), arithmetic that a GPU hides behind the model's forward pass.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+import torchvision.transforms.v2.functional as TF
+
+
+# ----------------------------------------------------------------------------- Colour ops
+# x: (B, 3, H, W) float32 integers; f: (B,) float64 (torchvision's factors are Python floats, 1 - f too).
+def per_image(v):  # (B,) -> (B, 1, 1, 1) float32
+    return v.float().view(-1, 1, 1, 1)
+
+
+def blend(x, other, f):
+    """torchvision's _blend: x*f + other*(1-f), clamped, truncated as the cast to uint8 does."""
+    return torch.addcmul(x * per_image(f), other, per_image(1.0 - f)).clamp_(0, 255).floor_()
+
+
+def grayscale(x):  # (B, 3, H, W) -> (B, 1, H, W): ITU-R 601-2 luma in torchvision's order, truncated
+    r, g, b = x.unbind(1)
+    return r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114).floor_().unsqueeze(1)
+
+
+def adjust_brightness(x, f):
+    return (x * per_image(f)).clamp_(0, 255).floor_()  # a blend with black
+
+
+def adjust_saturation(x, f):
+    return blend(x, grayscale(x), f)
+
+
+def adjust_contrast(x, f):
+    return blend(x, grayscale(x).mean(dim=(1, 2, 3), keepdim=True), f)
+
+
+def adjust_sharpness(x, f):
+    """Blend with PIL's SMOOTH filter (3x3: 1/13 around, 5/13 in the centre); border pixels stay."""
+    kernel = torch.full((3, 1, 3, 3), 1 / 13, dtype=x.dtype, device=x.device)
+    kernel[:, :, 1, 1] = 5 / 13
+    blurred = F.conv2d(x, kernel, groups=3).round_()
+    out = x.clone()
+    inner = out[:, :, 1:-1, 1:-1]
+    inner.copy_(torch.addcmul(inner, blurred - inner, per_image(1.0 - f)))
+    return out.clamp_(0, 255).floor_()
+
+
+def posterize(x, bits):  # keep the top `bits` bits (8 = identity)
+    step = torch.exp2(8 - per_image(bits))
+    return (x / step).floor_() * step
+
+
+def solarize(x, threshold):  # invert pixels >= threshold (256 = identity)
+    return torch.where(x >= per_image(threshold), 255 - x, x)
+
+
+# ----------------------------------------------------------------------------- Geometry
+# Per-image affine maps, applied as torchvision does: inverse map on pixel centres, nearest, zero fill.
+def geometric_matrix(shear_x, shear_y, translate_x, translate_y, angle, H, W):
+    """Per-image inverse affine maps (B, 2, 3) of torchvision's RandAugment geometry: output pixel
+    (x, y), centred on the image middle, reads input (x', y'). All-zero arguments give the identity;
+    each image has at most one non-zero argument.
+
+    ShearX about the top-left pixel (torchvision's center=[0, 0]): x' = x + s * (y + H/2); ShearY
+    likewise; Translate by t: x' = x - t; Rotate by `angle` degrees about the image centre.
+    """
+    a = torch.deg2rad(angle)
+    cos, sin = torch.cos(a), torch.sin(a)
+    return torch.stack([torch.stack([cos, shear_x - sin, shear_x * H / 2 - translate_x], -1),
+                        torch.stack([shear_y + sin, cos, shear_y * W / 2 - translate_y], -1)], 1)
+
+
+def affine_grid_sample(x, matrix):
+    """torchvision's _affine_grid + grid_sample, batched: one (B, 2, 3) map per image."""
+    B, _, H, W = x.shape
+    xs = torch.linspace((1 - W) / 2, (W - 1) / 2, W, dtype=x.dtype, device=x.device)
+    ys = torch.linspace((1 - H) / 2, (H - 1) / 2, H, dtype=x.dtype, device=x.device)
+    base = torch.stack([xs.expand(H, W), ys[:, None].expand(H, W), torch.ones(H, W, dtype=x.dtype,
+                                                                            device=x.device)], -1)
+    theta = torch.stack([matrix[:, 0] / (W / 2), matrix[:, 1] / (H / 2)], 2).to(x.dtype)  # (B, 3, 2)
+    grid = base.view(1, H * W, 3).expand(B, -1, -1).bmm(theta).view(B, H, W, 2)  # [x, y, 1] @ theta
+    return F.grid_sample(x, grid, mode='nearest', padding_mode='zeros', align_corners=False).round_()
+
+
+def resized_crop_flip(x, top, left, side, flip):
+    """Square crops (top, left, side: (B,) float64 pixel counts) resized bilinearly back to H x W as
+    torchvision's resized_crop does (interpolate, align_corners=False, coordinates clamped to the
+    crop), then mirrored where flip (B,) is True. One grid_sample for the batch."""
+    B, _, H, W = x.shape
+    u = torch.arange(W, dtype=torch.float64, device=x.device)
+    # output pixel u reads the crop at (u + 0.5) * side / W - 0.5, clamped to [0, side - 1]
+    offset = ((u + 0.5) * side[:, None] / W - 0.5).clamp(min=0).minimum(side[:, None] - 1)  # (B, W)
+    gx, gy = left[:, None] + offset, top[:, None] + offset
+    gx = torch.where(flip[:, None], gx.flip(1), gx)
+    grid = torch.stack([(2 * gx[:, None, :].expand(B, H, W) + 1) / W - 1,  # normalised, align_corners=False
+                        (2 * gy[:, :, None].expand(B, H, W) + 1) / H - 1], -1)
+    return F.grid_sample(x, grid.to(x.dtype), mode='bilinear', padding_mode='border',
+                         align_corners=False).round_()
+
+
+def pad_crop_flip(x_u8, dy, dx, flip, pad=4):
+    """Zero-pad by `pad` px, take the 32x32 window at (dy, dx) ((B,) ints in 0..2*pad), mirror where
+    flip: exact integer shifts on uint8, by one gather."""
+    B, _, H, W = x_u8.shape
+    padded = F.pad(x_u8, (pad, pad, pad, pad))
+    rows = dy[:, None] + torch.arange(H, device=x_u8.device)  # (B, H)
+    cols = dx[:, None] + torch.arange(W, device=x_u8.device)  # (B, W)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    b = torch.arange(B, device=x_u8.device)[:, None, None]
+    return padded[b, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)  # (B, H, W, 3) -> (B, 3, H, W)
+
+
+# -----------------------------------------------------------------------------
+# RandAugment (Cubuk et al. 2020) as torchvision has it: 14 ops in torchvision's order, each drawn
+# uniformly, at one magnitude bin m of 31; the signed ops take the negative magnitude with p = 1/2.
+RA_OPS = ('Identity', 'ShearX', 'ShearY', 'TranslateX', 'TranslateY', 'Rotate', 'Brightness', 'Color',
+          'Contrast', 'Sharpness', 'Posterize', 'Solarize', 'AutoContrast', 'Equalize')
+RA_SIGNED = ('ShearX', 'ShearY', 'TranslateX', 'TranslateY', 'Rotate', 'Brightness', 'Color', 'Contrast',
+             'Sharpness')
+
+
+def ra_magnitudes(m, size=32, num_bins=31):
+    """Each op's unsigned magnitude at bin m, in RA_OPS order, computed as torchvision's table (float32)."""
+    lin = lambda hi: torch.linspace(0.0, hi, num_bins)[m].item()
+    translate = float(int(lin(150.0 / 331.0 * size)))  # torchvision: translate=[int(magnitude), 0]
+    table = {'ShearX': lin(0.3), 'ShearY': lin(0.3), 'TranslateX': translate, 'TranslateY': translate,
+             'Rotate': lin(30.0), 'Brightness': lin(0.9), 'Color': lin(0.9), 'Contrast': lin(0.9),
+             'Sharpness': lin(0.9),
+             'Posterize': float((8 - (torch.arange(num_bins) / ((num_bins - 1) / 4))).round().int()[m]),
+             'Solarize': 255.0 * torch.linspace(1.0, 0.0, num_bins)[m].item()}
+    return [table.get(name, 0.0) for name in RA_OPS]
+
+
+def apply_ra_ops(x, op, magnitude):
+    """Image b gets the RandAugment op RA_OPS[op[b]] at the signed magnitude[b] ((B,) float64: the
+    factor - 1, the shear, pixels, degrees, bits or threshold). Every op runs on every image; the
+    images that did not draw it get its identity parameter, so the result is exact (module docstring)."""
+    B, _, H, W = x.shape
+    only = {name: torch.where(op == k, magnitude, {'Posterize': 8.0, 'Solarize': 256.0}.get(name, 0.0))
+            for k, name in enumerate(RA_OPS)}
+    x = affine_grid_sample(x, geometric_matrix(only['ShearX'], only['ShearY'], only['TranslateX'],
+                                               only['TranslateY'], only['Rotate'], H, W))
+    x = adjust_brightness(x, 1.0 + only['Brightness'])
+    x = adjust_saturation(x, 1.0 + only['Color'])
+    x = adjust_contrast(x, 1.0 + only['Contrast'])
+    x = adjust_sharpness(x, 1.0 + only['Sharpness'])
+    x = posterize(x, only['Posterize'])
+    x = solarize(x, only['Solarize'])
+    for name, fn in (('AutoContrast', TF.autocontrast), ('Equalize', TF.equalize)):  # batched in torchvision
+        x = torch.where((op == RA_OPS.index(name)).view(B, 1, 1, 1), fn(x.to(torch.uint8)).float(), x)
+    return x
+
+
+def normalize(x, mean, std):
+    """ToTensor + Normalize: (B, 3, H, W) values 0..255 -> float32; mean, std: (1, 3, 1, 1) tensors."""
+    return x.float().div(255).sub_(mean).div_(std)
+
+
+# -----------------------------------------------------------------------------
+class Augment:
+    """make_augment's pipeline; its constants are put on the device once (a per-step copy would block)."""
+
+    def __init__(self, *, aug, scale, randaug_n, randaug_m, jitter, reprob, mean, std, device, seed):
+        device = torch.device(device)
+        self.aug, self.scale, self.randaug_n, self.jitter, self.reprob = aug, scale, randaug_n, jitter, reprob
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.mean = torch.as_tensor(mean, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+        self.ra_magnitude = torch.tensor(ra_magnitudes(randaug_m), dtype=torch.float64, device=device)
+        self.ra_signed = torch.tensor([name in RA_SIGNED for name in RA_OPS], device=device)
+
+    def rand(self, *shape, dtype=torch.float32):
+        return torch.rand(*shape, generator=self.generator, device=self.mean.device, dtype=dtype)
+
+    def __call__(self, x_u8):
+        B, _, H, W = x_u8.shape
+        if self.aug == 'basic':
+            dy, dx = torch.randint(0, 9, (2, B), generator=self.generator, device=x_u8.device)
+            return normalize(pad_crop_flip(x_u8, dy, dx, self.rand(B) < 0.5), self.mean, self.std)
+        # RandomResizedCrop with ratio (1, 1): torchvision's first attempt always fits
+        area = (self.scale + (1 - self.scale) * self.rand(B, dtype=torch.float64)) * H * W
+        side = torch.sqrt(area).round().clamp_(1, min(H, W))
+        top = (self.rand(B, dtype=torch.float64) * (H - side + 1)).floor()
+        left = (self.rand(B, dtype=torch.float64) * (W - side + 1)).floor()
+        x = resized_crop_flip(x_u8.float(), top, left, side, self.rand(B) < 0.5)
+        for _ in range(self.randaug_n):
+            op = torch.randint(0, len(RA_OPS), (B,), generator=self.generator, device=x.device)
+            negative = self.ra_signed[op] & (self.rand(B) < 0.5)
+            x = apply_ra_ops(x, op, torch.where(negative, -self.ra_magnitude[op], self.ra_magnitude[op]))
+        if self.jitter > 0:
+            x = self.color_jitter(x)
+        x = normalize(x, self.mean, self.std)
+        return self.random_erasing(x) if self.reprob > 0 else x
+
+    def color_jitter(self, x):
+        """ColorJitter(j, j, j): factors U(max(0, 1-j), 1+j), applied in a random order per image."""
+        B = x.shape[0]
+        v = ((2 * self.rand(B, 3, dtype=torch.float64) - 1) * self.jitter).clamp(min=-1.0)
+        order = self.rand(B, 3).argsort(1)  # image b's slot s runs op order[b, s]
+        for slot in range(3):
+            for k, fn in enumerate((adjust_brightness, adjust_contrast, adjust_saturation)):
+                x = fn(x, 1.0 + torch.where(order[:, slot] == k, v[:, k], 0.0))  # 0: the identity
+        return x
+
+    def random_erasing(self, x):
+        """RandomErasing(reprob, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0): torchvision's 10 tries at once."""
+        B, _, H, W = x.shape
+        area = (0.02 + 0.31 * self.rand(B, 10, dtype=torch.float64)) * H * W
+        log_ratio = math.log(0.3) + (math.log(3.3) - math.log(0.3)) * self.rand(B, 10, dtype=torch.float64)
+        h, w = torch.sqrt(area * log_ratio.exp()).round(), torch.sqrt(area / log_ratio.exp()).round()
+        fits = (h < H) & (w < W)
+        first = fits.int().argmax(1, keepdim=True)
+        h, w = h.gather(1, first)[:, :, None], w.gather(1, first)[:, :, None]  # (B, 1, 1)
+        top = (self.rand(B, 1, 1, dtype=torch.float64) * (H - h + 1)).floor()
+        left = (self.rand(B, 1, 1, dtype=torch.float64) * (W - w + 1)).floor()
+        on = ((self.rand(B, 1) < self.reprob) & fits.any(1, keepdim=True))[:, :, None]
+        rows = torch.arange(H, dtype=torch.float64, device=x.device)[None, :, None]
+        cols = torch.arange(W, dtype=torch.float64, device=x.device)[None, None, :]
+        box = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w) & on  # (B, H, W)
+        return x.masked_fill(box[:, None], 0.0)
+
+
+def make_augment(*, aug='strong', scale=1.0, randaug_n=2, randaug_m=12, jitter=0.0, reprob=0.0,
+                 mean, std, device, seed=0):
+    """augment(x_uint8 (B, 3, H, W) on device) -> normalised float32 (B, 3, H, W); its random draws
+    come from augment.generator (a torch.Generator on device, seeded with seed). Defaults: the
+    locuslab/convmixer-cifar10 README run; aug='basic' ignores the other settings."""
+    if aug not in ('strong', 'basic'):
+        raise ValueError(f"aug must be 'strong' or 'basic', got {aug!r}")
+    return Augment(aug=aug, scale=scale, randaug_n=randaug_n, randaug_m=randaug_m, jitter=jitter,
+                   reprob=reprob, mean=mean, std=std, device=device, seed=seed)

@@ -1,0 +1,174 @@
+"""augment.py against torchvision (the oracle), image by image.
+
+RandAugment's ops, signs and magnitudes come from torchvision.transforms.v2.RandAugment itself: under
+a seeded global RNG it draws the op index and the sign; the test reads the same draws, applies our op
+with them, and compares the pixels (they agree exactly but for < 0.1% of pixels, where float rounding
+of an affine grid or a blend lands on the other side of .5).
+"""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as TF
+from torchvision.datasets import ImageFolder
+
+import augment as A
+
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2471, 0.2435, 0.2616)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope='module')
+def images(cifar10_dir):
+    """The first 200 CIFAR-10 test images (20 per class): (200, 3, 32, 32) uint8."""
+    ds = ImageFolder(cifar10_dir / 'test')
+    per_class = [[p for p, y in ds.samples if y == c][:20] for c in range(10)]
+    return torch.stack([torch.from_numpy(np.array(ds.loader(p))).permute(2, 0, 1)
+                        for paths in per_class for p in paths])
+
+
+def make(**kw):
+    return A.make_augment(mean=MEAN, std=STD, device='cpu', **kw)
+
+
+# -----------------------------------------------------------------------------
+# RandAugment: the oracle is torchvision's RandAugment(num_ops=1, magnitude=m), one image at a time.
+def torchvision_draw(seed):
+    """The op index and sign torchvision's RandAugment draws after torch.manual_seed(seed): it picks
+    the op with torch.randint(14, ()) and, for a signed op, negates with torch.rand(()) <= 0.5."""
+    torch.manual_seed(seed)
+    k = int(torch.randint(len(A.RA_OPS), ()))
+    negative = A.RA_OPS[k] in A.RA_SIGNED and bool(torch.rand(()) <= 0.5)  # a wrong RA_SIGNED shows below
+    return k, negative
+
+
+@pytest.fixture(scope='module')
+def draws():
+    return [torchvision_draw(seed) for seed in range(1500)]
+
+
+@pytest.mark.parametrize('name', A.RA_OPS)
+def test_randaugment_op_matches_torchvision(images, draws, name):
+    seeds = [s for s, (k, _) in enumerate(draws) if k == A.RA_OPS.index(name)][:40]
+    differ, changed, negatives = 0, 0, 0
+    for i, seed in enumerate(seeds):
+        img, m = images[i * 5 % len(images)], (0, 30, 8, 12, 20, 3)[i % 6] if i < 6 else (7 * i) % 31
+        torch.manual_seed(seed)
+        ref = T.RandAugment(num_ops=1, magnitude=m)(img)  # interpolation nearest, fill 0: the defaults
+        k, negative = torchvision_draw(seed)
+        magnitude = A.ra_magnitudes(m)[k] * (-1.0 if negative else 1.0)
+        ours = A.apply_ra_ops(img[None].float(), torch.tensor([k]), torch.tensor([magnitude], dtype=torch.float64))[0]
+        differ += (ours != ref.float()).sum().item()
+        changed += not torch.equal(ours, img.float())
+        negatives += negative
+    assert len(seeds) == 40
+    assert differ <= 1e-3 * 40 * img.numel(), f'{name}: {differ} of {40 * img.numel()} pixels differ'
+    if name != 'Identity':  # the op did something, and a signed op was drawn with both signs
+        assert changed >= 30
+    assert (name in A.RA_SIGNED) == (negatives > 0)
+
+
+def test_randaugment_draws_an_op_per_image(images):
+    """One image 240 times, RandAugment(1, 9) only: every image draws its own op and sign. (One op for
+    the whole batch would leave at most 4 different results: 2 signs x 2 flips.)"""
+    x = images[7:8].expand(240, -1, -1, -1)
+    out = make(randaug_n=1, randaug_m=9)(x)
+    distinct = {tuple(o.flatten()[::3].tolist()) for o in out}
+    assert len(distinct) >= 20, len(distinct)
+
+
+def test_no_host_sync(images):
+    """Every op runs on the meta device, where anything that would wait for the GPU (nonzero, boolean
+    indexing, .item(), bincount) raises: the whole pipeline is free of host syncs."""
+    for kw in (dict(scale=0.75, randaug_n=2, randaug_m=12, jitter=0.1, reprob=0.25), dict(aug='basic')):
+        aug = make(**kw)
+        aug.generator = None  # meta tensors have no generator; the global one is fine here
+        for name in ('mean', 'std', 'ra_magnitude', 'ra_signed'):
+            setattr(aug, name, getattr(aug, name).to('meta'))
+        out = aug(images.to('meta'))
+        assert out.shape == images.shape and out.dtype == torch.float32 and out.device.type == 'meta'
+
+
+# -----------------------------------------------------------------------------
+# Crops, flips, normalisation, erasing.
+def test_resized_crop_flip_matches_torchvision(images):
+    B = len(images)
+    gen = torch.Generator().manual_seed(1)
+    side = torch.randint(10, 33, (B,), generator=gen).double()
+    top = (torch.rand(B, generator=gen, dtype=torch.float64) * (33 - side)).floor()
+    left = (torch.rand(B, generator=gen, dtype=torch.float64) * (33 - side)).floor()
+    flip = torch.rand(B, generator=gen) < 0.5
+    ours = A.resized_crop_flip(images.float(), top, left, side, flip)
+    ref = []
+    for img, t, l, s, f in zip(images.float(), top.int().tolist(), left.int().tolist(), side.int().tolist(), flip):
+        r = TF.resized_crop(img, t, l, s, s, [32, 32], antialias=True)  # float path: no uint8 fixed point
+        ref.append(TF.horizontal_flip(r) if f else r)
+    assert torch.equal(ours, torch.stack(ref).round())
+
+
+def test_pad_crop_flip_closed_form(images):
+    B = len(images)
+    gen = torch.Generator().manual_seed(2)
+    dy, dx = torch.randint(0, 9, (2, B), generator=gen)
+    flip = torch.rand(B, generator=gen) < 0.5
+    ours = A.pad_crop_flip(images, dy, dx, flip)
+    padded = F.pad(images, (4, 4, 4, 4))
+    for b in range(B):
+        ref = padded[b, :, dy[b]:dy[b] + 32, dx[b]:dx[b] + 32]
+        assert torch.equal(ours[b], ref.flip(-1) if flip[b] else ref)
+
+
+def test_flip_only_and_normalisation(images):
+    """scale 1, no RandAugment, jitter or erasing: each image is Normalize(ToTensor(x)) or its
+    mirror, drawn per image; the normalisation is torchvision's."""
+    x = images.repeat(2, 1, 1, 1)
+    out = make(scale=1.0, randaug_n=0)(x)
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+    assert torch.equal(A.normalize(x, mean, std), TF.normalize(x.float() / 255, MEAN, STD))
+    plain, mirrored = TF.normalize(x.float() / 255, MEAN, STD), TF.normalize(x.flip(3).float() / 255, MEAN, STD)
+    is_plain, is_mirror = (out == plain).flatten(1).all(1), (out == mirrored).flatten(1).all(1)
+    assert (is_plain | is_mirror).all()
+    assert 0.35 < is_mirror.float().mean() < 0.65
+
+
+def test_augment_is_per_image_and_seeded():
+    x = torch.full((256, 3, 32, 32), 100, dtype=torch.uint8)
+    x[:, :, :16] = 200  # one image, 256 times; top half brighter
+    x[:, 0, :, :8] = 30
+    kw = dict(scale=0.5, jitter=0.3, reprob=0.5, seed=3)
+    aug = make(**kw)
+    out = aug(x)
+    assert out.shape == (256, 3, 32, 32) and out.dtype == torch.float32
+    assert len({tuple(o.flatten()[::7].tolist()) for o in out}) > 240  # (nearly) all different
+    # random erasing: zeros (the mean colour after normalisation) on ~reprob of the images
+    erased = (out == 0).all(1).flatten(1).any(1).float().mean()
+    assert 0.35 < erased < 0.65
+    # the same seed gives the same batch; the generator's state replays it
+    assert torch.equal(make(**kw)(x), out)
+    state = aug.generator.get_state()
+    first = aug(x)
+    aug.generator.set_state(state)
+    assert torch.equal(aug(x), first)
+    assert not torch.equal(make(**{**kw, 'seed': 4})(x), out)
+
+
+def test_random_erasing_boxes():
+    """reprob 1: every image has one axis-aligned zero box of 2-33% of the image, aspect 0.3-3.3."""
+    x = torch.full((200, 3, 32, 32), 255, dtype=torch.uint8)
+    out = make(randaug_n=0, reprob=1.0)(x)
+    for o in out:
+        box = (o == 0).all(0)
+        rows, cols = box.any(1).nonzero()[:, 0], box.any(0).nonzero()[:, 0]
+        h, w = len(rows), len(cols)
+        assert box.sum() == h * w and rows[-1] - rows[0] + 1 == h and cols[-1] - cols[0] + 1 == w
+        # area U(2%, 33%) of 1024 px; h and w are each rounded, so the box area may miss by < 33 px
+        assert 15 <= h * w <= 0.33 * 1024 + 33 and h < 32 and w < 32
+        assert (o != 0).any(0).sum() == 1024 - h * w

@@ -1,0 +1,286 @@
+"""train_contrastive.py (MoCo v3, with and without SAM): the loss against a direct computation, the
+momentum update in closed form, a 2-process run against one process over the same global batch,
+learning against the random initialisation, the views against torchvision's ops, bad input.
+
+Subprocess runs use OMP_NUM_THREADS=1 (see tests/test_train_cifar.py for why); the slow runs go
+in parallel, one core each.
+"""
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision.transforms.v2.functional as TF
+
+import train_cifar
+import train_contrastive as tc
+from conftest import REPO
+
+SCRIPT = str(REPO / 'train_contrastive.py')
+# A 2-block ViT of width 64 on 8x8-px patches (16 tokens), small MLP heads: ~0.2M parameters.
+TINY = ['--model', 'vit_ti16', '--model-kw', 'dim=64', 'depth=2', 'heads=2', 'patch_size=8',
+        '--proj-hidden', '256', '--proj-dim', '64', '--linear-epochs', '30', '--log-every', '0']
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def env(**extra):
+    return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', **extra}
+
+
+def start(*args, nproc=1, extra_env=None):
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node',
+                                                    str(nproc), '--master_port', str(free_port())]
+    return subprocess.Popen(launcher + [SCRIPT, *map(str, args)], cwd=REPO, env=env(**(extra_env or {})),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, ok=True):
+    out, err = proc.communicate(timeout=600)
+    if ok:
+        assert proc.returncode == 0, f'exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}'
+    return out, err
+
+
+def rows(out_dir, kind):
+    return [r for r in map(json.loads, (out_dir / 'metrics.jsonl').read_text().splitlines()) if r['kind'] == kind]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+# -----------------------------------------------------------------------------
+# 1. The loss: InfoNCE with MoCo v3's 2*tau factor, against -log softmax written out in float64.
+def direct_infonce(q, k, tau):
+    q, k = q.double(), k.double()
+    q, k = q / q.norm(dim=1, keepdim=True), k / k.norm(dim=1, keepdim=True)
+    terms = []
+    for i in range(len(q)):
+        logits = [float(q[i] @ k[j]) / tau for j in range(len(k))]
+        terms.append(-(logits[i] - math.log(sum(math.exp(v) for v in logits))))  # -log softmax(q.k+/tau)
+    return sum(terms) / len(terms)
+
+
+def test_infonce_equals_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    for tau in (0.2, 1.0):
+        # builder.py multiplies the cross-entropy by 2*tau (documented in contrastive_loss)
+        assert tc.contrastive_loss(q, k, tau).item() == pytest.approx(2 * tau * direct_infonce(q, k, tau), rel=1e-5)
+    # the symmetrised MoCo loss is ctr(q1, k2) + ctr(q2, k1) of the predictor outputs
+    torch.manual_seed(0)
+    args = tc.get_args(TINY[:7])
+    tc.resolve_arch(args, None)
+    moco = tc.MoCo(tc.build_backbone(args), 8, 32, 0.2)
+    x1, x2 = torch.randn(4, 3, 32, 32, generator=g), torch.randn(4, 3, 32, 32, generator=g)
+    k1, k2 = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    with torch.no_grad():
+        q1, q2 = moco.predictor(moco.base_encoder(x1)), moco.predictor(moco.base_encoder(x2))
+        expect = 0.4 * (direct_infonce(q1, k2, 0.2) + direct_infonce(q2, k1, 0.2))
+        assert moco(x1, x2, k1, k2).item() == pytest.approx(expect, rel=1e-5)
+
+
+def test_identical_views_small_tau_give_zero_loss():
+    q = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    ce = lambda k, tau: tc.contrastive_loss(q, k, tau).item() / (2 * tau)  # the cross-entropy itself
+    assert ce(q, 0.01) < 1e-4  # each query's positive is itself: -log softmax -> 0
+    assert ce(q, 1.0) > 0.5  # ... because of the small tau, not always
+    assert ce(q.roll(1, 0), 0.01) > 10  # and only for the right positives
+
+
+# -----------------------------------------------------------------------------
+# 2. The momentum encoder after one step: theta_k = m theta_k0 + (1 - m) theta_q1 exactly (theta_k0 =
+# theta_q0, the initial weights), with m = MoCo v3's cosine schedule at the end of epoch 1 of 2.
+# With --sam, theta_q1 is the weight after the SAM step (restored, then stepped): updating from the
+# perturbed weights, or once per pass, fails the equality.
+def test_momentum_update_is_exact(cifar10_dir, tmp_path):
+    m0 = 0.5
+    common = ['--data', cifar10_dir, '--train-subset', 32, '--test-subset', 20, '--batch-size', 32, '--epochs', 2,
+              '--warmup-epochs', 0, '--lr', 1e-2, '--moco-m', m0, '--stop-after-epoch', 1, *TINY,
+              '--pos-embed', 'learned', '--no-freeze-patch-embed']  # every parameter trained
+    procs = {name: start(*common, *extra, '--out', tmp_path / name) for name, extra in
+             (('plain', []), ('sam', ['--sam', '--rho', 0.5]))}
+    m = 1 - 0.5 * (1 + math.cos(math.pi * 1 / 2)) * (1 - m0)  # adjust_moco_momentum(epoch=1, epochs=2)
+    args = tc.get_args([str(a) for a in common])
+    tc.resolve_arch(args, None)
+    torch.manual_seed(args.seed)
+    theta_0 = tc.MoCo(tc.build_backbone(args), 64, 256, 0.2).base_encoder.state_dict()
+    for name, proc in procs.items():
+        finish(proc)
+        sd = torch.load(tmp_path / name / 'last.pt', weights_only=True)['moco']
+        moved = 0
+        for key, w0 in theta_0.items():
+            if w0.is_floating_point() and 'running' not in key:
+                q1, k1 = sd['base_encoder.' + key], sd['momentum_encoder.' + key]
+                assert torch.equal(k1, w0 * m + q1 * (1 - m)), (name, key)
+                moved += not torch.equal(q1, w0)
+        assert moved > 10, name  # the step did change theta_q
+
+
+# -----------------------------------------------------------------------------
+# 3. DDP: two gloo processes of 32 images each give the losses of one process over the 64 (keys
+# gathered across ranks, BN over the global batch, gradients averaged), and the evaluation of the
+# single run's checkpoint on 2 processes counts exactly what it counted (101 test images: uneven
+# shards of 50 and 51).
+def test_ddp_equals_single_process(cifar10_dir, tmp_path):
+    common = ['--data', cifar10_dir, '--train-subset', 192, '--test-subset', 101, '--batch-size', 64,
+              '--epochs', 1, '--warmup-epochs', 0, '--lr', 1e-3, *TINY, '--log-every', 1, '--eval-batch-size', 32]
+    one, two = start(*common, '--out', tmp_path / 'one'), start(*common, '--out', tmp_path / 'two', nproc=2)
+    finish(one)
+    out, _ = finish(two)
+    a, b = rows(tmp_path / 'one', 'train'), rows(tmp_path / 'two', 'train')
+    assert len(a) == len(b) == 3 and a[0]['loss'] > 1
+    assert b[0]['loss'] == pytest.approx(a[0]['loss'], rel=1e-6)  # the first step: same views, weights
+    for x, y in zip(a, b):
+        assert y['loss'] == pytest.approx(x['loss'], rel=1e-4)
+    assert json.loads((tmp_path / 'two' / 'args.json').read_text())['world_size'] == 2
+
+    single = {r['protocol']: r for r in rows(tmp_path / 'one', 'eval')}
+    out, _ = finish(start(*common, '--eval-only', '--checkpoint', tmp_path / 'one' / 'last.pt', nproc=2))
+    for protocol in ('knn', 'linear'):
+        r = single[protocol]
+        assert r['n'] == 101
+        assert f"{protocol} acc {r['top1']:.2f}% ({r['correct']}/101)" in out, (protocol, r, out)
+
+
+# -----------------------------------------------------------------------------
+# 4. Learning: a tiny ViT pre-trained for ~half a minute per run on 2,000 CIFAR-10 images, with and
+# without SAM, beats its own random initialisation on 1,000 test images by k-NN and linear probe;
+# its backbone loads into train_cifar.py's model for fine-tuning.
+def test_learns_and_exports(cifar10_dir, tmp_path):
+    common = ['--data', cifar10_dir, '--train-subset', 2000, '--test-subset', 1000, *TINY, '--batch-size', 128,
+              '--warmup-epochs', 1, '--lr', 3e-3, '--moco-m', 0.9, '--eval-every', 0]
+    procs = {'plain': start(*common, '--epochs', 6, '--out', tmp_path / 'plain'),
+             'sam': start(*common, '--epochs', 4, '--sam', '--out', tmp_path / 'sam')}
+    init, _ = finish(start(*common, '--eval-only'))
+    before = {p: float(init.split(f'{p} acc ')[1].split('%')[0]) for p in ('knn', 'linear')}
+    for name, proc in procs.items():
+        finish(proc)
+        after = {r['protocol']: r['top1'] for r in rows(tmp_path / name, 'eval')}
+        for p in ('knn', 'linear'):
+            assert after[p] > before[p] + 1.5, (name, p, before, after)
+    # last.pt's 'model': the backbone under timm's keys with vit.py's zero head, read by train_cifar's loader
+    ckpt = torch.load(tmp_path / 'plain' / 'last.pt', weights_only=True)
+    model = train_cifar.build_model('vit_ti16', 10, ckpt['args']['model_kw'])
+    train_cifar.load_weights(model, tmp_path / 'plain' / 'last.pt')
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, ckpt['moco']['base_encoder.0.' + key] if not key.startswith('head.')
+                           else torch.zeros_like(value)), key
+
+
+# -----------------------------------------------------------------------------
+# 5. The views: each batched op equals torchvision's on real images (uint8 tensor ops; the crop
+# against its float path, rounded), and the view pipeline applies each op with its probability.
+@pytest.fixture(scope='module')
+def images(cifar10_dir):
+    return train_cifar.load_cifar(cifar10_dir, 'cifar10', False, 200)[0]  # (200, 3, 32, 32) uint8
+
+
+def per_image(fn, images, values):
+    return torch.stack([fn(img, v) for img, v in zip(images, values)]).float()
+
+
+def test_color_ops_match_torchvision(images):
+    B, g = len(images), torch.Generator().manual_seed(0)
+    x = images.float()
+    for ours, theirs, lo, hi in ((tc.adjust_brightness, TF.adjust_brightness, 0.6, 1.4),
+                                 (tc.adjust_contrast, TF.adjust_contrast, 0.6, 1.4),
+                                 (tc.adjust_saturation, TF.adjust_saturation, 0.8, 1.2)):
+        f = lo + (hi - lo) * torch.rand(B, generator=g)
+        assert torch.equal(ours(x, f.view(B, 1, 1, 1)), per_image(theirs, images, f.tolist())), ours.__name__
+    hue = torch.rand(B, generator=g) - 0.5  # the whole range [-0.5, 0.5)
+    assert torch.equal(tc.adjust_hue(x, hue.view(B, 1, 1)), per_image(TF.adjust_hue, images, hue.tolist()))
+    assert torch.equal(tc.grayscale(x).expand_as(x), torch.stack([TF.rgb_to_grayscale(i, 3) for i in images]).float())
+
+
+def test_gaussian_blur_matches_torchvision(images):
+    sigma = 0.1 + 1.9 * torch.rand(len(images), generator=torch.Generator().manual_seed(1))
+    for k in (5, 23):  # 32 px and 224 px views
+        theirs = per_image(lambda img, s: TF.gaussian_blur(img, [k, k], [s, s]), images, sigma.tolist())
+        assert torch.equal(tc.gaussian_blur(images.float(), sigma, k), theirs), k
+
+
+def test_resized_crop_flip_matches_torchvision(images):
+    B, g = len(images), torch.Generator().manual_seed(2)
+    h, w = (torch.randint(3, 33, (B,), generator=g).double() for _ in range(2))  # any aspect ratio
+    top = (torch.rand(B, generator=g, dtype=torch.float64) * (33 - h)).floor()
+    left = (torch.rand(B, generator=g, dtype=torch.float64) * (33 - w)).floor()
+    flip = torch.rand(B, generator=g) < 0.5
+    ours = tc.resized_crop_flip(images.float(), top, left, h, w, 32, flip)
+    ref = [TF.resized_crop(img, *map(int, (t, l, a, c)), [32, 32], antialias=True)
+           for img, t, l, a, c in zip(images.float(), top, left, h, w)]
+    ref = torch.stack([TF.horizontal_flip(r) if f else r for r, f in zip(ref, flip)]).round()
+    assert torch.equal(ours, ref)  # (torchvision's uint8 kernel rounds in fixed point: +-1 on ~15% of pixels)
+
+
+def test_view_applies_ops_with_their_probabilities(images, monkeypatch):
+    """With every other op off and whole-image crops, view 0 never solarizes (p 0) and view 1 does
+    on ~20% of the images (p 0.2); the flip on ~50%."""
+    for key, value in (('p_jitter', 0.0), ('p_gray', 0.0), ('p_blur', (0.0, 0.0)), ('ratio', (1.0, 1.0))):
+        monkeypatch.setitem(tc.AUG, key, value)
+    x = images.repeat(10, 1, 1, 1).float()  # 2,000 images
+    mean, std = torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)
+    g = torch.Generator().manual_seed(3)
+    for view, p in ((0, 0.0), (1, 0.2)):
+        v = (255 * tc.moco_view(x, g, len(x), 0, len(x), view, 32, 1.0, mean, std)).round()  # crop_min 1: whole
+        sol = torch.where(x >= 128, 255 - x, x)  # PIL's solarize
+        match = lambda ref: (v == ref).flatten(1).all(1)
+        kept, mirrored, solarized = match(x) | match(x.flip(3)), match(x.flip(3)) | match(sol.flip(3)), match(sol) | match(sol.flip(3))
+        assert (kept | solarized).all()  # nothing else happened
+        assert abs((solarized & ~kept).float().mean().item() - p) < 0.03, view
+        assert abs(mirrored.float().mean().item() - 0.5) < 0.04, view
+
+
+# -----------------------------------------------------------------------------
+# 6. Bad input: one clear line, a non-zero exit, no traceback; an existing run is never overwritten.
+@pytest.mark.parametrize('case', ['no-data', 'unknown-model', 'bad-model-kw', 'missing-resume', 'corrupt-resume',
+                                  'batch-not-divisible', 'out-holds-run', 'out-is-file', 'warmup'])
+def test_bad_input_in_process(case, tmp_path, monkeypatch):
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'metrics.jsonl').write_text('{}\n')
+    (tmp_path / 'file').write_text('x')
+    (tmp_path / 'bad.pt').write_bytes(b'not a checkpoint' * 10)
+    args, expect = {
+        'no-data': ([], str(tmp_path / 'empty')),
+        'unknown-model': (['--model', 'vit_huge'], "unknown ViT config 'vit_huge'"),
+        'bad-model-kw': (['--model-kw', 'heads=5'], 'heads=5 does not divide dim=192'),
+        'missing-resume': (['--resume', tmp_path / 'nope.pt'], '--resume file not found'),
+        'corrupt-resume': (['--resume', tmp_path / 'bad.pt'], 'not a readable checkpoint'),
+        'batch-not-divisible': (['--batch-size', 100], '--batch-size 100 (global) does not divide by the world size 3'),
+        'out-holds-run': (['--out', tmp_path / 'run'], 'already holds a run (metrics.jsonl); use --resume'),
+        'out-is-file': (['--out', tmp_path / 'file'], 'is a file'),
+        'warmup': (['--epochs', 5], '--warmup-epochs 40 exceeds --epochs 5'),
+    }[case]
+    if case == 'batch-not-divisible':  # torchrun's environment for rank 0 of 3: checked before any process group
+        monkeypatch.setenv('WORLD_SIZE', '3')
+    for proxy in ('http_proxy', 'https_proxy', 'HTTP_PROXY', 'HTTPS_PROXY'):  # offline: no CIFAR download
+        monkeypatch.setenv(proxy, 'http://127.0.0.1:9')
+    argv = ['--data', tmp_path / 'empty', '--out', tmp_path / 'out', '--epochs', 50, *TINY, *args]
+    with pytest.raises(tc.UserError) as e:
+        tc.main([str(a) for a in argv])
+    assert expect in str(e.value), str(e.value)
+    assert (tmp_path / 'run' / 'metrics.jsonl').read_text() == '{}\n'
+
+
+def test_bad_input_subprocess(tmp_path):
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'last.pt').write_bytes(b'x')
+    procs = [start('--model', 'vit_huge', '--out', tmp_path / 'a'), start('--out', tmp_path / 'run')]
+    for p in procs:
+        _, err = finish(p, ok=False)
+        assert p.returncode == 1 and 'Traceback' not in err
+        assert len(err.strip().splitlines()) == 1 and err.startswith('train_contrastive.py: error: '), err
+    assert (tmp_path / 'run' / 'last.pt').read_bytes() == b'x'

@@ -1,0 +1,367 @@
+"""geometry.py against analytic answers (issue 13): quadratic and full-Hessian oracles for lambda_max,
+closed-form NTKs of a linear model, the landscape's origin and filter norms, the Gaussian expectation
+of a quadratic for average flatness, biases that fix the active fraction, and uniform attention whose
+distance is the mean pairwise distance of the patch grid. Then each sub-command end to end."""
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import convmixer
+import geometry as G
+import mixer
+import train_cifar
+import vit
+from torchvision.models.resnet import BasicBlock
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_vit(**kw):
+    return vit.VisionTransformer(**{**dict(img_size=16, patch_size=4, dim=16, depth=2, heads=2, num_classes=5), **kw})
+
+
+def tiny_mixer():
+    return mixer.MlpMixer(img_size=16, patch_size=4, dim=16, depth=2, tokens_mlp_dim=8, channels_mlp_dim=32,
+                          num_classes=5)
+
+
+def tiny_convmixer():
+    return convmixer.ConvMixer(dim=8, depth=2, kernel_size=3, patch_size=4, num_classes=5)
+
+
+class Quadratic(nn.Module):
+    """model(x) = 1/2 w^T A w, whatever x: with loss_fn = identity, the loss is the quadratic itself."""
+
+    def __init__(self, A, w):
+        super().__init__()
+        self.A, self.w = A, nn.Parameter(w.clone())
+
+    def forward(self, x):
+        return 0.5 * self.w @ self.A @ self.w
+
+
+def spd(n, seed, top=10.0):
+    """A symmetric positive-definite matrix with eigenvalues in [1, 5] plus one `top`."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    eig = torch.cat([torch.linspace(1, 5, n - 1, dtype=torch.float64), torch.tensor([top], dtype=torch.float64)])
+    return q @ torch.diag(eig) @ q.T
+
+
+ONE_BATCH = [(torch.zeros(1), None)]
+IDENTITY_LOSS = lambda out, y: out  # noqa: E731
+
+
+# ----------------------------------------------------------------------------- lambda_max
+def test_hessian_quadratic_equals_eigvalsh():
+    A = spd(30, 0)
+    model = Quadratic(A, torch.randn(30, dtype=torch.float64))
+    lam = G.hessian_eigenvalue(model, IDENTITY_LOSS, ONE_BATCH)
+    assert lam == pytest.approx(torch.linalg.eigvalsh(A)[-1].item(), rel=1e-4)
+
+
+def tiny_mlp_problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))
+    batches = [(x[:10], y[:10]), (x[10:], y[10:])]  # unequal sizes: the weighting matters
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def loss_of(w):  # the mean loss over all 16 images, as a function of the flat weight vector
+        tensors = dict(zip(names, torch.split(w, [s.numel() for s in shapes])))
+        tensors = {n: t.view(s) for (n, t), s in zip(tensors.items(), shapes)}
+        return F.cross_entropy(torch.func.functional_call(model, tensors, (x,)), y)
+
+    H = torch.autograd.functional.hessian(loss_of, flat)
+    return model, batches, H
+
+
+def dominant(eig):
+    return eig[eig.abs().argmax()].item()
+
+
+def test_hessian_tiny_mlp_equals_full_hessian():
+    model, batches, H = tiny_mlp_problem()
+    lam = G.hessian_eigenvalue(model, F.cross_entropy, batches, iters=1000, tol=1e-9)
+    assert lam == pytest.approx(dominant(torch.linalg.eigvalsh(H)), rel=1e-4)
+
+
+def test_hessian_block_equals_block_of_full_hessian():
+    model, batches, H = tiny_mlp_problem()
+    n1 = sum(p.numel() for p in model[0].parameters())  # fc1 weight + bias come first in the flat vector
+    lam = G.hessian_eigenvalue(model, F.cross_entropy, batches, params=model[0].parameters(), iters=1000, tol=1e-9)
+    assert lam == pytest.approx(dominant(torch.linalg.eigvalsh(H[:n1, :n1])), rel=1e-4)
+    assert abs(lam - dominant(torch.linalg.eigvalsh(H))) > 1e-3 * abs(lam)  # really a different matrix
+
+
+def test_param_blocks_split_vit_and_mixer_sublayers():
+    blocks = G.param_blocks(tiny_vit())
+    assert list(blocks) == ['patch_embed', 'blocks.0.attn', 'blocks.0.mlp', 'blocks.1.attn', 'blocks.1.mlp', 'head']
+    model = tiny_vit()
+    assert {id(p) for p in G.param_blocks(model)['blocks.1.attn']} == {
+        id(p) for m in (model.blocks[1].norm1, model.blocks[1].attn) for p in m.parameters()}
+    assert list(G.param_blocks(tiny_mixer()))[1:3] == ['blocks.0.mlp_tokens', 'blocks.0.mlp_channels']
+
+
+# ----------------------------------------------------------------------------- NTK
+def test_ntk_linear_model_closed_forms():
+    torch.manual_seed(0)
+    C, d, n = 3, 6, 5
+    model = nn.Sequential(nn.Flatten(), nn.Linear(d, C, bias=False))
+    x = torch.randn(n, 1, 2, 3)
+    X = x.flatten(1).double()
+    gram = X @ X.T
+    assert torch.allclose(G.empirical_ntk(model, x, 'trace'), C * gram, atol=1e-5)
+    assert torch.allclose(G.empirical_ntk(model, x, 'full'), torch.kron(gram, torch.eye(C, dtype=torch.float64)),
+                          atol=1e-5)
+    kappa, eig = G.ntk_condition_number(model, x, 'trace')
+    ref = torch.linalg.eigvalsh(C * gram)
+    assert torch.allclose(eig, ref, rtol=1e-5) and kappa == pytest.approx((ref[-1] / ref[0]).item(), rel=1e-4)
+
+
+def test_ntk_reductions_equal_explicit_jacobians():
+    """A tiny nonlinear MLP: per-image Jacobians J_i (C x P) from torch.autograd.functional.jacobian, then
+    trace: sum_c <J_ic, J_jc>; sum: <sum_c J_ic, sum_c J_jc>; full: <J_ic, J_jd> at row i*C + c."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    x = torch.randn(4, 1, 2, 3)
+    names, shapes = [n for n, _ in model.named_parameters()], [p.shape for p in model.parameters()]
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def logits(w, xi):
+        tensors = {n: t.view(s) for n, t, s in zip(names, torch.split(w, [s.numel() for s in shapes]), shapes)}
+        return torch.func.functional_call(model, tensors, (xi[None],))[0]
+
+    J = torch.stack([torch.autograd.functional.jacobian(lambda w: logits(w, xi), flat) for xi in x]).double()  # (n, C, P)
+    assert torch.allclose(G.empirical_ntk(model, x, 'trace'), torch.einsum('icp,jcp->ij', J, J), atol=1e-5)
+    assert torch.allclose(G.empirical_ntk(model, x, 'sum'), J.sum(1) @ J.sum(1).T, atol=1e-5)
+    assert torch.allclose(G.empirical_ntk(model, x, 'full'), J.flatten(0, 1) @ J.flatten(0, 1).T, atol=1e-5)
+
+
+@pytest.mark.parametrize('reduce', ['trace', 'sum', 'full'])
+def test_ntk_chunked_equals_unchunked(reduce):
+    torch.manual_seed(0)
+    model = tiny_vit()
+    G.draw_zero_head_(model)
+    x = torch.randn(7, 3, 16, 16)
+    whole = G.empirical_ntk(model, x, reduce)
+    assert whole.shape == ((35, 35) if reduce == 'full' else (7, 7))
+    assert torch.allclose(G.empirical_ntk(model, x, reduce, chunk=3), whole, rtol=1e-6, atol=1e-8 * whole.abs().max())
+
+
+@pytest.mark.parametrize('make', [tiny_vit, tiny_mixer])
+def test_ntk_zero_head_is_feature_gram_until_drawn(make):
+    """With the official zero head, only the head's Jacobian is non-zero: Theta_trace = C (Phi Phi^T + 1),
+    Phi the pooled features. draw_zero_head_ draws it like the model's other dense layers."""
+    torch.manual_seed(0)
+    model = make().eval()
+    x = torch.randn(6, 3, 16, 16)
+    feats = []  # Phi: what the head reads (the pooled, normalised token), caught at its input
+    handle = model.head.register_forward_hook(lambda m, inputs, out: feats.append(inputs[0]))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    phi = feats[0].double()
+    head_part = 5 * (phi @ phi.T + 1)
+    assert torch.allclose(G.empirical_ntk(model, x), head_part, rtol=1e-5, atol=1e-6)
+    assert G.draw_zero_head_(model, seed=1) and not G.draw_zero_head_(model)  # draws once only
+    w, (fan_out, fan_in) = model.head.weight, model.head.weight.shape
+    if isinstance(model, vit.VisionTransformer):  # xavier-uniform: U(-b, b), b = sqrt(6 / (fan_in + fan_out))
+        bound = math.sqrt(6 / (fan_in + fan_out))
+        assert w.abs().max() <= bound and w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.3)
+    else:  # LeCun normal: std 1 / sqrt(fan_in), truncated at 2 std
+        assert w.std().item() == pytest.approx(fan_in ** -0.5, rel=0.3) and w.abs().max() <= 2.3 * fan_in ** -0.5
+    rest = G.empirical_ntk(model, x) - head_part  # now the rest of the network contributes
+    assert torch.linalg.eigvalsh(rest)[0] > -1e-6 * rest.abs().max() and rest.abs().max() > 1e-2 * head_part.abs().max()
+
+
+# ----------------------------------------------------------------------------- landscape
+def some_batches(n=12, size=16, classes=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 3, size, size, generator=g), torch.randint(0, classes, (n,), generator=g)
+    return [(x[:7], y[:7]), (x[7:], y[7:])]
+
+
+def test_landscape_origin_is_the_loss_and_points_follow_the_directions():
+    torch.manual_seed(0)
+    model, batches = tiny_convmixer(), some_batches()
+    model.train()  # the function must switch to eval mode itself (BatchNorm) and switch back
+    with torch.no_grad():
+        ref = sum(F.cross_entropy(model.eval()(x), y, reduction='sum').item() for x, y in batches) / 12
+    model.train()
+    before = [p.detach().clone() for p in model.parameters()]
+    coords, losses = G.loss_landscape(model, F.cross_entropy, batches, dims=1, steps=5, span=0.5, seed=3)
+    assert model.training and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert coords.tolist() == pytest.approx([-0.5, -0.25, 0, 0.25, 0.5])
+    assert losses[2].item() == pytest.approx(ref, rel=1e-6)
+    d = G.filter_normalized_directions(model, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for p, w, di in zip(model.parameters(), before, d):
+            p.copy_(w + 0.25 * di)
+        model.eval()
+        moved = sum(F.cross_entropy(model(x), y, reduction='sum').item() for x, y in batches) / 12
+    assert losses[3].item() == pytest.approx(moved, rel=1e-5) and abs(moved - ref) > 1e-4
+    _, grid = G.loss_landscape(tiny_vit(), F.cross_entropy, batches, dims=2, steps=3)
+    assert grid.shape == (3, 3)
+
+
+def test_filter_normalised_directions():
+    torch.manual_seed(0)
+    for model in (tiny_convmixer(), tiny_vit(), tiny_mixer()):
+        dirs = G.filter_normalized_directions(model, torch.Generator().manual_seed(0))
+        for (name, p), d in zip(model.named_parameters(), dirs):
+            if p.dim() <= 1:  # biases, LayerNorm, BatchNorm: ignore='biasbn'
+                assert not d.any(), name
+            else:
+                assert torch.allclose(d.flatten(1).norm(dim=1), p.detach().flatten(1).norm(dim=1), rtol=1e-5), name
+                assert d.any() or not p.any(), name
+
+
+# ----------------------------------------------------------------------------- flatness
+def test_average_flatness_zero_sigma_and_quadratic():
+    n, sigma, samples = 20, 0.1, 400
+    A, w = spd(n, 1), torch.zeros(n, dtype=torch.float64)  # at the minimum: no linear term to add variance
+    model = Quadratic(A, w)
+    assert G.average_flatness(model, IDENTITY_LOSS, ONE_BATCH, 0.0, 5) == 0.0
+    got = G.average_flatness(model, IDENTITY_LOSS, ONE_BATCH, sigma, samples)
+    # L(w + e) - L(w) = w^T A e + e^T A e / 2: mean sigma^2 tr(A) / 2, variance sigma^2 w^T A^2 w + sigma^4 tr(A^2) / 2
+    mean = sigma ** 2 * torch.trace(A).item() / 2
+    stderr = math.sqrt((sigma ** 2 * (w @ A @ A @ w) + sigma ** 4 * torch.trace(A @ A) / 2).item() / samples)
+    assert abs(got - mean) < 4 * stderr
+    assert torch.equal(model.w.detach(), w)  # restored
+
+
+# ----------------------------------------------------------------------------- active neurons
+def set_units(linear_or_conv, k):
+    """Zero weight, bias +1 on the first k units and -1 on the rest: exactly k units are positive."""
+    with torch.no_grad():
+        linear_or_conv.weight.zero_()
+        linear_or_conv.bias.fill_(-1.0)[:k] = 1.0
+
+
+def test_active_neurons_exact_fraction():
+    batches = some_batches()
+    model = tiny_vit()  # hidden width 64
+    set_units(model.blocks[0].mlp.fc1, 16)
+    set_units(model.blocks[1].mlp.fc1, 48)
+    assert G.active_neurons(model, batches) == {'blocks.0.mlp': 0.25, 'blocks.1.mlp': 0.75}
+    model = tiny_mixer()  # token MLP hidden 8, channel MLP hidden 32
+    set_units(model.blocks[0].mlp_tokens.fc1, 2)
+    set_units(model.blocks[0].mlp_channels.fc1, 24)
+    got = G.active_neurons(model, batches)
+    assert (got['blocks.0.mlp_tokens'], got['blocks.0.mlp_channels']) == (0.25, 0.75) and len(got) == 4
+    model = tiny_convmixer()  # 8 channels
+    set_units(model.blocks[1][0].fn[0], 1)
+    set_units(model.blocks[1][1], 6)
+    got = G.active_neurons(model, batches)
+    assert (got['blocks.1.depthwise'], got['blocks.1.pointwise']) == (0.125, 0.75) and len(got) == 4
+
+
+def test_active_neurons_resnet_stage_outputs():
+    """resnet20 with every conv zero and every BN bias zero but the last one of stage 1 (+1 on 4 of 16 channels):
+    stage 1 ends with 4 of 16 channels positive, and the option-A shortcuts carry them on: 4 of 32, 4 of 64."""
+    model = train_cifar.build_model('resnet20', 5)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d):
+                m.weight.zero_()
+            elif isinstance(m, nn.BatchNorm2d):
+                m.bias.zero_()
+        [b for b in model.modules() if isinstance(b, BasicBlock)][2].bn2.bias.fill_(-1.0)[:4] = 1.0
+    got = G.active_neurons(model, some_batches(size=32))
+    assert got == {'stage1': 4 / 16, 'stage2': 4 / 32, 'stage3': 4 / 64}
+
+
+def test_calibrate_batchnorm_sets_the_statistics_of_the_images():
+    model, batches = tiny_convmixer(), some_batches()
+    x = torch.cat([xb for xb, _ in batches])
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    seen = {}  # what each BatchNorm sees in a train-mode pass over x: its statistics are the oracle
+    handles = [bn.register_forward_hook(lambda m, i, o: seen.update({m: i[0]})) for bn in bns]  # returns None
+    with torch.no_grad():
+        train_out = model.train()(x)
+        for h in handles:
+            h.remove()
+        fresh_eval = model.eval()(x)  # running statistics (0, 1): BN is the identity
+    assert G.calibrate_batchnorm_(model, [(x,)]) and not model.training
+    for bn in bns:
+        assert torch.allclose(bn.running_mean, seen[bn].mean((0, 2, 3)), atol=1e-6)
+        assert torch.allclose(bn.running_var, seen[bn].var((0, 2, 3)), rtol=1e-5)  # unbiased, as BatchNorm keeps it
+    with torch.no_grad():
+        calibrated = model(x)
+    assert (calibrated - train_out).abs().max() < 0.1 * (fresh_eval - train_out).abs().max()
+
+
+# ----------------------------------------------------------------------------- attention
+def uniform_vit(img_size, patch_size, depth=2, heads=2):
+    """A ViT with zero query and key weights: every logit is 0, so it attends uniformly."""
+    model = tiny_vit(img_size=img_size, patch_size=patch_size, depth=depth, heads=heads)
+    with torch.no_grad():
+        for b in model.blocks:
+            b.attn.qkv.weight[:2 * 16].zero_()
+            b.attn.qkv.bias[:2 * 16].zero_()
+    return model
+
+
+def test_attention_distance_uniform_equals_mean_pairwise_distance():
+    x = torch.randn(3, 3, 8, 8)
+    # 2 x 2 grid of 4-px patches: of the 16 ordered pairs 4 are 0 apart, 8 are 4 px, 4 are 4 sqrt(2) px
+    got = G.attention_distance(uniform_vit(8, 4), x)
+    assert got.shape == (2, 2) and torch.allclose(got, torch.full((2, 2), 4 * (2 + math.sqrt(2)) / 4), rtol=1e-5)
+    # 3 x 3 grid of 4-px patches (12 px images), by brute force over the pairs of patch centres
+    cells = list(itertools.product(range(3), repeat=2))
+    ref = sum(4 * math.dist(a, b) for a in cells for b in cells) / len(cells) ** 2
+    got = G.attention_distance(uniform_vit(12, 4), torch.randn(2, 3, 12, 12))
+    assert torch.allclose(got, torch.full((2, 2), ref), rtol=1e-5)
+
+
+def test_attention_maps_and_rollout_of_uniform_attention():
+    model, x = uniform_vit(8, 4, depth=3), torch.randn(5, 3, 8, 8)  # N + 1 = 5 tokens, L = 3
+    assert torch.allclose(G.attention_maps(model, x), torch.full((3, 5, 2, 2, 2), 1 / 5))
+    # ((U + I) / 2)^L = (I + (2^L - 1) U) / 2^L for U the uniform (idempotent) matrix: off-diagonal (2^L - 1) / (2^L N')
+    assert torch.allclose(G.attention_rollout(model, x), torch.full((5, 2, 2), 7 / (8 * 5)))
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_subcommands_end_to_end(cifar10_dir, tmp_path):
+    out = tmp_path / 'geo'
+    common = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=2', 'heads=2', '--data', str(cifar10_dir),
+              '--n', '20', '--batch-size', '10', '--out', str(out)]
+    G.main(['hessian', *common, '--blocks', '--iters', '3'])
+    G.main(['ntk', *common, '--reduce', 'trace', '--chunk', '7'])
+    G.main(['landscape', *common, '--dims', '2', '--steps', '3'])
+    G.main(['flatness', *common, '--sigma', '0', '0.01', '--samples', '2'])
+    G.main(['neurons', *common])
+    G.main(['attention', *common, '--images', '2'])
+    files = sorted(os.listdir(out))
+    for name in ('hessian.json', 'ntk.json', 'landscape.json', 'landscape_contour.png', 'landscape_surface.png',
+                 'flatness.json', 'neurons.json', 'attention.json', 'attention_maps.png', 'attention_distance.png'):
+        assert name in files
+    hess = json.loads((out / 'hessian.json').read_text())
+    assert set(hess['blocks']) == {'patch_embed', 'blocks.0.attn', 'blocks.0.mlp', 'blocks.1.attn', 'blocks.1.mlp', 'head'}
+    assert 'eval mode' in hess['mode'] and math.isfinite(hess['lambda_max'])
+    ntk = json.loads((out / 'ntk.json').read_text())
+    assert ntk['head_drawn'] and len(ntk['eigenvalues']) == 20 and ntk['kappa'] > 1
+    assert json.loads((out / 'flatness.json').read_text())['results'][0]['flatness'] == 0.0
+    assert json.loads((out / 'attention.json').read_text())['distance_px'][0][0] > 0
+    with pytest.raises(G.UserError, match='already'):  # never overwrites silently
+        G.main(['neurons', *common])
+
+
+def test_bad_input_is_one_line(tmp_path):
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    r = subprocess.run([sys.executable, 'geometry.py', 'hessian', '--model', 'vit_s4_cifar', '--model-kw', 'dim=abc',
+                        '--data', str(tmp_path), '--out', str(tmp_path / 'o')], cwd=REPO, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and 'Traceback' not in r.stderr
+    assert r.stderr.strip().startswith('geometry.py: error:') and len(r.stderr.strip().splitlines()) == 1
