@@ -1,240 +1,215 @@
-"""Loss geometry: the measurements behind Chen, Hsieh & Gong, "When Vision Transformers Outperform
-ResNets without Pretraining or Strong Data Augmentations" (ICLR 2022), Sec. 3-4 and Table 1.
+"""Loss geometry: the measurements behind Chen, Hsieh & Gong, "When Vision Transformers Outperform ResNets
+without Pretraining or Strong Data Augmentations" (ICLR 2022), Sec. 3-4 and Table 1: ViTs and MLP-Mixers
+trained from scratch sit in sharp minima, their NTK at init is badly conditioned, SAM flattens the minimum
+and sparsifies the first layers' neurons. One function per number (importable), one sub-command each:
 
-The paper's case is a measurement: ViTs and MLP-Mixers trained from scratch sit in sharp minima
-(dominant Hessian eigenvalue ~10x ResNet's), their NTK at initialisation is badly conditioned, and
-SAM flattens the minimum while making the first layers' neurons sparser. Each number is one call:
+    hessian_eigenvalue  ntk_condition_number  loss_landscape  average_flatness  active_neurons
+    attention_maps  attention_rollout  attention_distance
+    python geometry.py hessian --checkpoint runs/x/last.pt --data DIR --out geo/ --blocks
+    python geometry.py table1 --data DIR --out table1/        # trains 6 small models, then measures them
 
-    hessian_eigenvalue(model, loss_fn, batches)    lambda_max of the training-loss Hessian (blocks too)
-    ntk_condition_number(model, x)                  kappa = lambda_max / lambda_min of Theta = J J^T
-    loss_landscape(model, loss_fn, batches)         1-D / 2-D slice along filter-normalised directions
-    average_flatness(model, loss_fn, batches, ...)  E_eps L(w + eps) - L(w), eps ~ N(0, sigma^2 I)
-    active_neurons(model, batches)                  fraction of positive hidden units per MLP layer
-    attention_maps / attention_rollout / attention_distance   for ViTs
-
-and a script, one sub-command each, plus `table1`, the paper's Table 1 in miniature on CIFAR-10:
-
-    python geometry.py hessian --model vit_s4_cifar --checkpoint runs/x/last.pt --data DIR --out geo/ --blocks
-    python geometry.py table1 --data DIR --out table1/        # trains 6 models, ~45 min on 2 CPU cores
-
-Conventions (each is stated again in the JSON each sub-command writes):
-  - Hessian, landscape, flatness, neurons, NTK and attention run in eval mode: BatchNorm uses its
-    running statistics, dropout and drop-path are off (as PyHessian and loss-landscape do).
-  - Batches are weighted by their size, so the result is that of the mean loss over all images.
-  - Attention runs on PyTorch's composite ("math") SDPA kernel: the fused CPU kernel has no double
-    backward and no vmap rule; the math kernel computes the same softmax(q k^T / sqrt(d)) v.
+Every measurement runs in eval mode (BatchNorm running statistics, no dropout / drop-path; as PyHessian and
+loss-landscape) and weights batches by size: the result is that of the mean loss over all images.
 """
 import argparse
 import contextlib
-import functools
 import itertools
 import json
 import math
 import os
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
+from torch.nn.utils import parameters_to_vector
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 import augment
 import convmixer
 import mixer
 import train_cifar
-import train_imagenet
 import vit
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 
 
+class UserError(Exception):
+    """A mistake in the command line or its files: one line on stderr, exit 1, no traceback."""
+
+
 @contextlib.contextmanager
 def evaluating(model):
-    """model.eval() and the math attention kernel for the duration; the previous mode comes back after."""
+    """model.eval() and the math attention kernel (double backward, vmap) for the duration; then the old mode."""
     was_training = model.training
     model.eval()
     try:
-        with sdpa_kernel(SDPBackend.MATH):  # double backward and vmap need the composite kernel
+        with sdpa_kernel(SDPBackend.MATH):
             yield model
     finally:
         model.train(was_training)
 
 
-def mean_loss(model, loss_fn, batches):
-    """The mean of loss_fn over every image: each batch's (mean) loss weighted by its size."""
+@torch.no_grad()
+def mean_loss(model, loss_fn, batches, weights=None):
+    """The mean of loss_fn over every image (each batch's mean weighted by its size), at `weights`
+    ({name: tensor}, through torch.func.functional_call) or at the model's own weights."""
     total, n = 0.0, 0
-    with torch.no_grad():
-        for x, y in batches:
-            total += loss_fn(model(x), y).item() * len(x)
-            n += len(x)
+    for x, y in batches:
+        out = functional_call(model, weights, (x,)) if weights else model(x)
+        total, n = total + loss_fn(out, y).item() * len(x), n + len(x)
     return total / n
 
 
-# -----------------------------------------------------------------------------
-# 1. Dominant Hessian eigenvalue (paper Table 1, Fig. 1; PyHessian's power iteration)
+# ----------------------------------------------------------------------------- 1. Hessian lambda_max
 def param_blocks(model):
-    """{name: [parameters]}: the blocks whose sub-diagonal Hessian `hessian --blocks` reports.
-
-    ViT: patch_embed (with cls_token and pos_embed), blocks.i.attn (with its norm1), blocks.i.mlp
-    (with norm2), head (with the final norm). Mixer: stem, blocks.i.mlp_tokens (token-mixing MLP with
-    norm1), blocks.i.mlp_channels (with norm2), head. Other models (ResNet, ConvMixer): each element
-    of a top-level container named `blocks` or `layerN`, and every other top-level module on its own.
-    """
+    """{name: [parameters]}, the blocks whose diagonal Hessian block `hessian --blocks` reports. ViT:
+    patch_embed (with cls_token, pos_embed), blocks.i.attn (with norm1), blocks.i.mlp (with norm2), head (with
+    the final norm). Mixer: stem, blocks.i.mlp_tokens / mlp_channels (with their norms), head. Others: each
+    element of a top-level nn.Sequential / ModuleList ('blocks', 'layerN', or the model itself), else each module."""
     sublayer = ({'norm1': 'attn', 'norm2': 'mlp'} if isinstance(model, vit.VisionTransformer) else
                 {'norm1': 'mlp_tokens', 'norm2': 'mlp_channels'} if isinstance(model, mixer.MlpMixer) else None)
     groups = {}
     for name, p in model.named_parameters():
         parts = name.split('.')
-        if sublayer is not None:
-            if parts[0] == 'blocks':  # blocks.i.{norm1,attn,norm2,mlp,...}.*
-                key = f'blocks.{parts[1]}.{sublayer.get(parts[2], parts[2])}'
-            elif parts[0] in ('cls_token', 'pos_embed', 'patch_embed', 'stem'):
-                key = 'stem' if parts[0] == 'stem' else 'patch_embed'
-            else:  # norm, fc_norm, pre_logits, head
-                key = 'head'
+        if sublayer is None:
+            top = model if isinstance(model, nn.Sequential) else getattr(model, parts[0])
+            key = '.'.join(parts[:2]) if isinstance(top, (nn.Sequential, nn.ModuleList)) and top is not model \
+                else parts[0]
+        elif parts[0] == 'blocks':  # blocks.i.{norm1, attn, norm2, mlp, ...}
+            key = f'blocks.{parts[1]}.{sublayer.get(parts[2], parts[2])}'
         else:
-            top = getattr(model, parts[0])
-            split = isinstance(top, (nn.Sequential, nn.ModuleList)) and (
-                parts[0] == 'blocks' or parts[0].startswith('layer'))
-            key = '.'.join(parts[:2]) if split and len(parts) > 2 else parts[0]
+            key = {'cls_token': 'patch_embed', 'pos_embed': 'patch_embed', 'patch_embed': 'patch_embed',
+                   'stem': 'stem'}.get(parts[0], 'head')  # norm, fc_norm, head
         groups.setdefault(key, []).append(p)
     return groups
 
 
-def _unit(vs):
-    norm = torch.sqrt(sum((v * v).sum() for v in vs))
-    return [v / norm for v in vs]
-
-
 def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4, seed=0, *, progress=None):
-    """The dominant eigenvalue of the Hessian of the mean training loss over `batches`.
-
-    batches: a re-iterable of (x, y); loss_fn(model(x), y) is a batch mean, and batches are weighted
-      by their size, as PyHessian does over a data loader.
-    params: None (all trainable parameters) or an iterable of parameters: then it is the dominant
-      eigenvalue of that diagonal block of the Hessian, e.g. one block's attention (param_blocks()).
-    Power iteration (PyHessian, pyhessian/hessian.py): v <- Hv / ||Hv|| with Hessian-vector products
-    by double backward, the Rayleigh quotient v^T H v as the estimate, stopping when it changes by
-    less than `tol` relative (PyHessian's tol is 1e-3) or after `iters` products. Like every power
-    iteration it finds the eigenvalue of largest magnitude (the sign is kept). Runs in eval mode.
-    progress: optional callable taking one line of text per iteration.
-    """
+    """The dominant eigenvalue of the Hessian of the mean loss over `batches` (a re-iterable of (x, y);
+    loss_fn(model(x), y) a batch mean; batches weighted by size, as PyHessian does over a loader).
+    params: a block of parameters (param_blocks()) for that diagonal block of the Hessian; default all.
+    Power iteration as PyHessian (pyhessian/hessian.py): v <- Hv / ||Hv||, Hessian-vector products by
+    double backward, the Rayleigh quotient v^T H v as the estimate, stop at a relative change < tol
+    (PyHessian: 1e-3). It finds the eigenvalue of largest magnitude and keeps its sign. Eval mode.
+    (Not finite differences of gradients: across ReLU kinks they measure another quantity; on resnet20 at init
+    v^T H v was 0.015 by double backward, -0.146 by differences of the loss at h = 1e-4, float64.)"""
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
     batches = list(batches)
     n = sum(len(x) for x, _ in batches)
 
-    def hvp(v):  # H v = d/dw <grad L(w), v>, accumulated over batches weighted by size
+    def hvp(v):  # H v = d/dw <grad L(w), v>, summed over batches weighted by size
         out = [torch.zeros_like(p) for p in params]
         for x, y in batches:
             grads = torch.autograd.grad(loss_fn(model(x), y), params, create_graph=True, allow_unused=True)
-            live = [(g, u) for g, u in zip(grads, v) if g is not None and g.requires_grad]
-            if live:  # a gradient that does not depend on the weights contributes nothing
-                hv = torch.autograd.grad([g for g, _ in live], params, grad_outputs=[u for _, u in live],
-                                         allow_unused=True)
-                for o, h in zip(out, hv):
-                    if h is not None:
-                        o.add_(h, alpha=len(x) / n)
+            dot = sum((g * u).sum() for g, u in zip(grads, v) if g is not None and g.requires_grad)
+            # not a tensor: the gradient does not depend on these weights, H v = 0
+            hv = torch.autograd.grad(dot, params, allow_unused=True) if torch.is_tensor(dot) else []
+            for o, h in zip(out, hv):
+                if h is not None:
+                    o.add_(h, alpha=len(x) / n)
         return out
 
     gen = torch.Generator().manual_seed(seed)
-    v = _unit([torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) for p in params])
+    v = [torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) for p in params]
+    v = [u / parameters_to_vector(v).norm() for u in v]
     eig, start = None, time.time()
     with evaluating(model):
         for i in range(iters):
             hv = hvp(v)
+            norm = parameters_to_vector(hv).norm()
+            if norm == 0:  # H v = 0 for a random v: this block of the Hessian is 0 (e.g. behind a zero head)
+                return 0.0
             new = sum((h * u).sum() for h, u in zip(hv, v)).item()  # Rayleigh quotient, ||v|| = 1
             change = abs(new - eig) / (abs(eig) + 1e-6) if eig is not None else float('inf')
-            if not any(h.any() for h in hv):  # H v = 0 for a random v: this (block of the) Hessian is 0,
-                return 0.0                    # e.g. every block but the head's behind a zero head
-            eig, v = new, _unit(hv)
+            eig, v = new, [h / norm for h in hv]
             if progress:
                 progress(f'power iteration {i + 1}/{iters} | lambda {eig:.6g} | rel. change {change:.1e} '
-                         f'| {time.time() - start:.1f} s')
+                         f'| {time.time() - start:.0f} s')
             if change < tol:
                 break
     return eig
 
 
-# -----------------------------------------------------------------------------
-# 2. NTK condition number at initialisation (paper Table 1; Xiao et al. 2020)
+# ----------------------------------------------------------------------------- 2. NTK condition number
 def empirical_ntk(model, x, reduce='trace', chunk=None, *, progress=None):
-    """The empirical NTK Theta = J J^T of model on the images x (n, 3, H, W), float64, in eval mode.
+    """The empirical NTK Theta = J J^T on the images x (n, 3, H, W), float64, eval mode (Xiao et al. 2020).
 
     reduce='trace': (n, n), Theta_ij = sum_c <df_c(x_i)/dtheta, df_c(x_j)/dtheta>;
     reduce='sum':   (n, n), the Jacobian of sum_c f_c (TE-NAS / AsViT lib/procedures/ntk.py);
-    reduce='full':  (nC, nC), row i*C + c, so that a linear model gives X X^T (x) I.
-    All trainable parameters count (AsViT keeps only 'weight' tensors). BatchNorm is in eval mode
-    (running statistics), so each image's Jacobian is its own: this is what makes chunking exact.
-    chunk: None computes every per-image Jacobian at once (n x C x P floats); an integer computes
-      them `chunk` images at a time and forms Theta block by block, holding two chunks (2 x chunk x C
-      x P floats; 'sum': C = 1) at the cost of recomputing chunks: k(k+1)/2 chunk Jacobians for k chunks.
-    """
+    reduce='full':  (nC, nC), row i*C + c: a linear model gives X X^T (x) I.
+    All trainable parameters (AsViT keeps only 'weight' tensors). Eval-mode BatchNorm makes each image's
+    Jacobian its own, so chunking is exact. chunk: per-image Jacobians of `chunk` images at a time, two chunks
+    held (2 x chunk x C x P floats), at the cost of recomputing: k(k+1)/2 chunk Jacobians for k chunks."""
     if reduce not in ('trace', 'sum', 'full'):
         raise ValueError(f"reduce must be 'trace', 'sum' or 'full', got {reduce!r}")
     params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
     buffers = dict(model.named_buffers())
 
-    def f(p, xi):  # one image (3, H, W) -> its logits (C,), or their sum for 'sum'
+    def f(p, xi):  # one image (3, H, W) -> its logits (C,), or their sum
         out = functional_call(model, (p, buffers), (xi[None],))[0]
         return out.sum() if reduce == 'sum' else out
 
-    jacobian = vmap(jacrev(f), in_dims=(None, 0))  # {name: (m, C, *shape)} ('sum': (m, *shape))
-
-    def gram(ja, jb):  # sum over parameters of <J_a, J_b>, in float64 (kappa can reach 1e6+)
-        out = 0
-        for name in ja:
-            a = ja[name].flatten(1 if reduce == 'sum' else 2).double()  # (m, P) or (m, C, P)
-            b = jb[name].flatten(1 if reduce == 'sum' else 2).double()
-            out = out + (a @ b.T if reduce == 'sum' else torch.einsum('icp,jcp->ij', a, b)
-                         if reduce == 'trace' else torch.einsum('icp,jdp->icjd', a, b).flatten(2).flatten(0, 1))
-        return out
+    def jac(xs):  # (m, C, P) ('sum': (m, 1, P)), float64: kappa reaches 1e6 and more
+        j = vmap(jacrev(f), in_dims=(None, 0))(params, xs)
+        return torch.cat([t.reshape(len(xs), 1, -1) if reduce == 'sum' else t.flatten(2) for t in j.values()],
+                         dim=2).double()
 
     chunks = x.split(chunk or len(x))
-    pairs, done, start = len(chunks) * (len(chunks) + 1) // 2, 0, time.time()
+    start = [0, *itertools.accumulate(map(len, chunks))]
     with evaluating(model):
-        rows = []
         for a, xa in enumerate(chunks):
-            ja = jacobian(params, xa)
-            row = [None] * len(chunks)
+            ja = jac(xa)
+            if a == 0:
+                c = ja.shape[1] if reduce == 'full' else 1
+                theta = torch.empty(len(x) * c, len(x) * c, dtype=torch.float64)
             for b in range(a, len(chunks)):
-                row[b] = gram(ja, ja if b == a else jacobian(params, chunks[b]))
-                done += 1
+                jb = ja if b == a else jac(chunks[b])
+                block = (torch.einsum('icp,jcp->ij', ja, jb) if reduce != 'full'
+                         else torch.einsum('icp,jdp->icjd', ja, jb).flatten(2).flatten(0, 1))
+                ia, ib = slice(start[a] * c, start[a + 1] * c), slice(start[b] * c, start[b + 1] * c)
+                theta[ia, ib], theta[ib, ia] = block, block.T  # Theta is symmetric: each pair once
                 if progress and len(chunks) > 1:
-                    progress(f'NTK block {done}/{pairs} | {time.time() - start:.1f} s')
-            rows.append(row)
-    # fill the lower triangle from the upper one: Theta is symmetric
-    theta = torch.cat([torch.cat([rows[a][b] if b >= a else rows[b][a].T for b in range(len(chunks))], 1)
-                       for a in range(len(chunks))], 0)
+                    progress(f'NTK block ({a + 1}, {b + 1}) of {len(chunks)} x {len(chunks)}')
     return (theta + theta.T) / 2
 
 
 def ntk_condition_number(model, x, reduce='trace', chunk=None, *, progress=None):
-    """kappa = lambda_max / lambda_min of the empirical NTK (see empirical_ntk), and its eigenvalues
-    (float64, ascending). kappa is inf when lambda_min <= 0 (a rank-deficient kernel, e.g. n > P).
-
-    The paper measures kappa at initialisation. The official JAX init zeroes the ViT and Mixer heads,
-    and then every Jacobian row but the head's is zero: Theta collapses to the Gram matrix of the
-    head's input features. draw_zero_head_() redraws such a head before measuring (the script does).
-    """
+    """(kappa = lambda_max / lambda_min of empirical_ntk, its eigenvalues ascending, float64); kappa is inf
+    when lambda_min <= 0. The paper measures kappa at initialisation; the official JAX init zeroes the ViT
+    and Mixer heads, so every Jacobian row but the head's is zero and Theta is the Gram matrix of the head's
+    features: draw_zero_head_() draws such a head like the other dense layers first (the script does)."""
     eig = torch.linalg.eigvalsh(empirical_ntk(model, x, reduce, chunk, progress=progress))
-    kappa = (eig[-1] / eig[0]).item() if eig[0] > 0 else float('inf')
-    return kappa, eig
+    return (eig[-1] / eig[0]).item() if eig[0] > 0 else float('inf'), eig
+
+
+@torch.no_grad()
+def draw_zero_head_(model, seed=0):
+    """If the head's weight is all zero (the official JAX init), draw it like the model's other dense
+    layers: xavier-uniform for ViT (models_vit.py), LeCun-normal (Flax's Dense default) for Mixer; the bias
+    stays zero. Returns whether it drew."""
+    head = getattr(model, 'head', None)
+    if not isinstance(head, nn.Linear) or head.weight.any():
+        return False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mixer.lecun_normal_(head.weight) if isinstance(model, mixer.MlpMixer) else nn.init.xavier_uniform_(head.weight)
+    return True
 
 
 @torch.no_grad()
 def calibrate_batchnorm_(model, batches):
-    """Set every BatchNorm's running statistics to those of the images in `batches` (train-mode
-    forwards with momentum=None: a cumulative average, each batch weighing the same; pass one batch for
-    exactly its statistics), so that eval mode normalises as training does at this point. A freshly
-    built model's statistics are (0, 1), which makes eval-mode BN the identity: resnet20's kappa at
-    init measured so was ~20,000 here, against ~800 with the statistics of the same 100 images."""
-    bns = [m for m in model.modules() if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))]
+    """Set every BatchNorm's running statistics to those of `batches` (train-mode forwards, momentum=None:
+    a cumulative average), so that eval mode normalises as training would: a fresh model's (0, 1) statistics
+    make eval-mode BN the identity, and its kappa at init that of an unnormalised network."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     was_training, momenta = model.training, [bn.momentum for bn in bns]
-    model.eval()  # only the BatchNorms in train mode: no dropout or drop-path in these passes
+    model.eval()  # only the BatchNorms in train mode: no dropout or drop-path
     for bn in bns:
         bn.reset_running_stats()
         bn.momentum = None
@@ -247,31 +222,11 @@ def calibrate_batchnorm_(model, batches):
     return len(bns) > 0
 
 
-@torch.no_grad()
-def draw_zero_head_(model, seed=0):
-    """If the classifier head's weight is all zero (the official JAX init of ViT and Mixer), draw it
-    like the model's other dense layers: xavier-uniform for ViT (models_vit.py), LeCun-normal
-    (Flax's Dense default) for Mixer; the bias stays zero. Returns whether it drew."""
-    head = getattr(model, 'head', None)
-    if not isinstance(head, nn.Linear) or head.weight.any():
-        return False
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.empty(head.weight.shape)
-    if isinstance(model, mixer.MlpMixer):  # LeCun normal: truncated at 2 std, variance 1 / fan_in
-        std = head.in_features ** -0.5 / .87962566103423978  # the std of N(0,1) truncated to +-2
-        nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std, generator=gen)
-    else:
-        nn.init.xavier_uniform_(w, generator=gen)
-    head.weight.copy_(w)
-    return True
-
-
-# -----------------------------------------------------------------------------
-# 3. Loss landscape (Li et al. 2018; the paper's Fig. 1)
+# ----------------------------------------------------------------------------- 3. Landscape, 4. flatness
 def filter_normalized_directions(model, generator):
-    """One random direction, a tensor per parameter (Li et al. 2018, Sec. 4): Gaussian, then each
-    filter (each slice along dim 0) scaled to the norm of the matching filter of the weights. Every
-    1-D parameter (biases, LayerNorm, BatchNorm) gets a zero direction: loss-landscape's ignore='biasbn'."""
+    """A random direction, a tensor per parameter (Li et al. 2018, Sec. 4): Gaussian, each filter (slice
+    along dim 0) scaled to the norm of the weights' filter; 1-D parameters (biases, LayerNorm, BatchNorm) get
+    zero, as loss-landscape's ignore='biasbn'."""
     dirs = []
     for p in model.parameters():
         if p.dim() <= 1:
@@ -284,72 +239,45 @@ def filter_normalized_directions(model, generator):
 
 
 def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, *, progress=None):
-    """The loss at w + a d1 (+ b d2) on a grid of `steps` points per axis from -span to +span, along
-    filter-normalised random directions drawn from `seed` (the same seed gives the same draw on two
-    models of one architecture; each is normalised to its own weights). Eval mode, weights restored.
-    Returns (coords (steps,), losses (steps,) or (steps, steps) indexed [a, b])."""
+    """The loss at w + a d1 (+ b d2) on `steps` points per axis in [-span, span], filter-normalised
+    directions from `seed` (the same seed draws the same Gaussians for two models of one architecture).
+    Eval mode; the model's weights are never touched (functional_call). Returns (coords (steps,),
+    losses (steps,) or (steps, steps) indexed [a, b])."""
     if dims not in (1, 2):
         raise ValueError(f'dims must be 1 or 2, got {dims}')
     gen = torch.Generator().manual_seed(seed)
     dirs = [filter_normalized_directions(model, gen) for _ in range(dims)]
-    coords = torch.linspace(-span, span, steps)
-    params = list(model.parameters())
-    w0 = [p.detach().clone() for p in params]
-    losses = torch.empty((steps,) * dims)
-    start = time.time()
-    try:
-        with evaluating(model), torch.no_grad():
-            for k, idx in enumerate(itertools.product(range(steps), repeat=dims)):
-                for j, (p, w) in enumerate(zip(params, w0)):
-                    p.copy_(w + sum(coords[i] * d[j] for i, d in zip(idx, dirs)))
-                losses[idx] = mean_loss(model, loss_fn, batches)
-                if progress and (k + 1) % steps == 0:
-                    progress(f'landscape {k + 1}/{steps ** dims} points | {time.time() - start:.1f} s')
-    finally:
-        with torch.no_grad():
-            for p, w in zip(params, w0):
-                p.copy_(w)
+    coords, names = torch.linspace(-span, span, steps), [k for k, _ in model.named_parameters()]
+    w0 = [p.detach() for p in model.parameters()]
+    losses, start = torch.empty((steps,) * dims), time.time()
+    with evaluating(model):
+        for k, idx in enumerate(itertools.product(range(steps), repeat=dims)):
+            w = {n: w + sum(coords[i] * d[j] for i, d in zip(idx, dirs)) for j, (n, w) in enumerate(zip(names, w0))}
+            losses[idx] = mean_loss(model, loss_fn, batches, w)
+            if progress and (k + 1) % steps == 0:
+                progress(f'landscape {k + 1}/{steps ** dims} points | {time.time() - start:.0f} s')
     return coords, losses
 
 
-# -----------------------------------------------------------------------------
-# 4. Average flatness (the paper's contrast of SAM's worst-case sharpness with augmentation, Sec. 4.2)
-def perturbed_losses(model, loss_fn, batches, sigma, samples, seed=0, *, progress=None):
-    """(L(w), tensor of `samples` values L(w + eps)), eps ~ N(0, sigma^2 I) over every parameter
-    (1-D ones included: the definition perturbs all of w). Eval mode; the weights are restored."""
-    gen = torch.Generator().manual_seed(seed)
-    params = list(model.parameters())
-    w0 = [p.detach().clone() for p in params]
-    out, start = [], time.time()
-    try:
-        with evaluating(model), torch.no_grad():
-            base = mean_loss(model, loss_fn, batches)
-            for s in range(samples):
-                for p, w in zip(params, w0):
-                    p.copy_(w + sigma * torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device))
-                out.append(mean_loss(model, loss_fn, batches))
-                if progress:
-                    progress(f'sigma {sigma:g}: sample {s + 1}/{samples} | {time.time() - start:.1f} s')
-    finally:
-        with torch.no_grad():
-            for p, w in zip(params, w0):
-                p.copy_(w)
-    return base, torch.tensor(out, dtype=torch.float64)
-
-
 def average_flatness(model, loss_fn, batches, sigma, samples, seed=0, *, progress=None):
-    """E_eps[L(w + eps)] - L(w) with eps ~ N(0, sigma^2 I), estimated from `samples` draws."""
-    base, losses = perturbed_losses(model, loss_fn, batches, sigma, samples, seed, progress=progress)
-    return (losses - base).mean().item()  # each difference first: sigma = 0 gives exactly 0
+    """E_eps[L(w + eps)] - L(w), eps ~ N(0, sigma^2 I) over every parameter (1-D ones too), from `samples`
+    draws: the "average flatness" the paper contrasts with SAM's worst-case sharpness (Sec. 4.2). Eval mode."""
+    gen = torch.Generator().manual_seed(seed)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    with evaluating(model):
+        base, out = mean_loss(model, loss_fn, batches), []
+        for s in range(samples):
+            w = {n: p + sigma * torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) for n, p in named}
+            out.append(mean_loss(model, loss_fn, batches, w) - base)  # sigma = 0 gives exactly 0
+            if progress:
+                progress(f'sigma {sigma:g}: sample {s + 1}/{samples}')
+    return sum(out) / samples
 
 
-# -----------------------------------------------------------------------------
-# 5. Active neurons (paper Sec. 4.3: SAM leaves fewer active neurons in the first layers)
+# ----------------------------------------------------------------------------- 5. Active neurons
 def activation_sites(model):
-    """{name: (module, where)}: the hidden layers active_neurons counts, found on the model's own
-    modules. where='input' counts z > 0 at the activation's input: GELU(z) > 0 and ReLU(z) > 0
-    exactly when z > 0 (and the input is never underflowed to 0 as a tiny GELU output can be).
-    where='output' counts a ResNet stage's output, the output of its last ReLU."""
+    """{name: (module, where)}: the hidden layers active_neurons counts. 'input': z > 0 at the activation's
+    input (GELU(z) > 0 and ReLU(z) > 0 exactly when z > 0); 'output': a ResNet stage's output, after its ReLU."""
     if isinstance(model, vit.VisionTransformer):
         return {f'blocks.{i}.mlp': (b.mlp.act, 'input') for i, b in enumerate(model.blocks)}
     if isinstance(model, mixer.MlpMixer):
@@ -358,21 +286,19 @@ def activation_sites(model):
     if isinstance(model, convmixer.ConvMixer):  # blocks.i.0.fn.{0 conv, 1 act, 2 BN}, blocks.i.{1 conv, 2 act, 3 BN}
         return {f'blocks.{i}.{part}': (m, 'input') for i, b in enumerate(model.blocks)
                 for part, m in (('depthwise', b[0].fn[1]), ('pointwise', b[2]))}
-    # ResNet: a stage is a run of residual blocks, a new one starting at each block with a downsampling
-    # shortcut; count the output of its last block, i.e. after the stage's final ReLU.
+    # ResNet: a stage starts at each block with a downsampling shortcut; count its last block's output
     blocks = [m for m in model.modules() if isinstance(m, (BasicBlock, Bottleneck))]
     if not blocks:
-        raise ValueError(f'active_neurons knows ViT, MLP-Mixer, ConvMixer and ResNets (torchvision residual '
-                         f'blocks); {type(model).__name__} is none of them')
-    ends = [b for b, after in zip(blocks, blocks[1:] + [None]) if after is None or after.downsample is not None]
+        raise ValueError(f'active_neurons knows ViT, MLP-Mixer, ConvMixer and torchvision-block ResNets, '
+                         f'not {type(model).__name__}')
+    ends = [b for b, nxt in zip(blocks, blocks[1:] + [None]) if nxt is None or nxt.downsample is not None]
     return {f'stage{i + 1}': (b, 'output') for i, b in enumerate(ends)}
 
 
 def active_neurons(model, batches):
-    """{layer: fraction of hidden units > 0}, over every unit, token/position and image in `batches`
-    (each counted once), in eval mode. Layers as in activation_sites(): ViT one per block (the MLP's
-    hidden layer), Mixer the token- and the channel-mixing MLP of each block, ResNet each stage's
-    output after its ReLU, ConvMixer each block's depthwise and pointwise activation."""
+    """{layer: fraction of hidden units > 0} over every unit, token and image in `batches`, eval mode. Layers:
+    ViT each block's MLP; Mixer each block's token and channel MLP; ResNet each stage; ConvMixer each block's
+    depthwise and pointwise activation (paper Sec. 4.3: SAM leaves fewer active neurons in the first layers)."""
     counts = {}
 
     def hook(name, where):
@@ -393,160 +319,123 @@ def active_neurons(model, batches):
     return {name: pos / tot for name, (pos, tot) in counts.items()}
 
 
-# -----------------------------------------------------------------------------
-# 6. Attention (paper Sec. 4.4 and Fig. 3; ViT paper App. D.7 and Fig. 7)
-def _attention(model, x, batch=32):
-    """(L, B, heads, N, N) softmax maps of a ViT, computed `batch` images at a time."""
+# ----------------------------------------------------------------------------- 6. Attention (ViT)
+def all_attention(model, x, batch=32, cls=False):
+    """(L, B, heads, N, N) softmax maps of a ViT, `batch` images at a time; cls: it must have a class token."""
     if not isinstance(model, vit.VisionTransformer):
         raise ValueError(f'attention needs a ViT; {type(model).__name__} has no attention maps')
+    if cls and model.num_prefix_tokens != 1:
+        raise ValueError("this reads the class token's row; this ViT has pool='avg' and none")
     with evaluating(model), torch.no_grad():
         return torch.cat([torch.stack(model.get_attention_maps(xb)) for xb in x.split(batch)], dim=1)
 
 
-def _grid(model, x):
-    p = model.patch_embed.proj.stride[0]
-    return x.shape[-2] // p, x.shape[-1] // p, p
-
-
 def attention_maps(model, x):
-    """The class token's attention to each patch, per layer and head: (L, B, heads, H/p, W/p), the raw
-    softmax weights (the class token's weight on itself is left out, not renormalised away)."""
-    if model.num_prefix_tokens != 1:
-        raise ValueError("attention maps read the class token's row; this ViT has pool='avg' and none")
-    gh, gw, _ = _grid(model, x)
-    a = _attention(model, x)
-    return a[:, :, :, 0, 1:].reshape(*a.shape[:3], gh, gw)
+    """The class token's attention to each patch: (L, B, heads, H/p, W/p), the raw softmax weights."""
+    p, a = model.patch_embed.proj.stride[0], all_attention(model, x, cls=True)
+    return a[:, :, :, 0, 1:].reshape(*a.shape[:3], x.shape[-2] // p, x.shape[-1] // p)
 
 
 def attention_rollout(model, x):
-    """Attention rollout (Abnar & Zuidema 2020): average the heads, add the residual as (A + I) / 2,
-    renormalise the rows, multiply across layers (rollout_l = A_l rollout_{l-1}); returns the class
-    token's row over the patches, (B, H/p, W/p). Batched (vit-explain takes one image at a time)."""
-    if model.num_prefix_tokens != 1:
-        raise ValueError("rollout reads the class token's row; this ViT has pool='avg' and none")
-    gh, gw, _ = _grid(model, x)
-    a = _attention(model, x).mean(dim=2)  # (L, B, N, N): heads averaged
+    """Attention rollout (Abnar & Zuidema 2020): heads averaged, residual added as (A + I) / 2, rows
+    renormalised, multiplied across layers; the class token's row over the patches, (B, H/p, W/p). Batched."""
+    p, a = model.patch_embed.proj.stride[0], all_attention(model, x, cls=True).mean(dim=2)  # (L, B, N, N)
     a = (a + torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)) / 2
     a = a / a.sum(dim=-1, keepdim=True)
     rollout = a[0]
     for layer in a[1:]:
         rollout = layer @ rollout
-    return rollout[:, 0, 1:].reshape(len(x), gh, gw)
+    return rollout[:, 0, 1:].reshape(len(x), x.shape[-2] // p, x.shape[-1] // p)
 
 
 def attention_distance(model, x):
-    """Mean attention distance in pixels, (layers, heads), as ViT paper App. D.7 defines it: for each
-    query patch the attention-weighted mean distance between patch centres, averaged over queries and
-    images. The class token's row and column are dropped and each row renormalised to sum to 1."""
-    gh, gw, p = _grid(model, x)
-    a = _attention(model, x)[..., model.num_prefix_tokens:, model.num_prefix_tokens:]  # (L, B, H, N, N)
+    """Mean attention distance in pixels, (layers, heads) (ViT paper App. D.7): for each query patch the
+    attention-weighted mean distance to the key patches' centres, averaged over queries and images. The class
+    token's row and column are dropped and the rows renormalised."""
+    p, k = model.patch_embed.proj.stride[0], model.num_prefix_tokens
+    a = all_attention(model, x)[..., k:, k:]  # (L, B, heads, N, N)
     a = a / a.sum(dim=-1, keepdim=True)
-    rows, cols = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing='ij')
+    rows, cols = torch.meshgrid(torch.arange(x.shape[-2] // p), torch.arange(x.shape[-1] // p), indexing='ij')
     centres = torch.stack([rows.flatten(), cols.flatten()], dim=1).double() * p + p / 2  # (N, 2) pixels
-    dist = torch.cdist(centres, centres).to(a.dtype)  # (N, N)
-    return (a * dist).sum(dim=-1).mean(dim=(1, 3))  # sum over keys, mean over images and queries
+    return (a * torch.cdist(centres, centres).to(a.dtype)).sum(-1).mean(dim=(1, 3))  # keys; images, queries
 
 
-# =============================================================================
-# The script: one sub-command per measurement, and `table1`.
+# ============================================================================= The script
 NUM_CLASSES = {'cifar10': 10, 'cifar100': 100, 'imagenet': 1000}
-OUTPUT = {'hessian': 'hessian.json', 'ntk': 'ntk.json', 'landscape': 'landscape.json', 'flatness': 'flatness.json',
-          'neurons': 'neurons.json', 'attention': 'attention.json', 'table1': 'table1.json'}
-
-
-class UserError(Exception):
-    """A mistake in the command line or its files: one line on stderr, exit 1, no traceback."""
+N_DEFAULT = dict(hessian=2000, ntk=200, landscape=1000, flatness=1000, neurons=5000, attention=128)
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(
-        prog='geometry.py', formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description='Loss-geometry measurements of Chen, Hsieh & Gong (ICLR 2022) on any checkpoint of this '
-                    'repo: Hessian lambda_max, NTK condition number, loss landscape, average flatness, active '
-                    'neurons, attention; and `table1`, the paper\'s Table 1 in miniature on CIFAR-10.')
+    p = argparse.ArgumentParser(prog='geometry.py', description="Loss-geometry measurements of Chen, Hsieh & Gong "
+                                "(ICLR 2022) on any checkpoint of this repo, and `table1`, the paper's Table 1 in "
+                                'miniature on CIFAR-10.', formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True, metavar='SUBCOMMAND')
-
-    def command(name, n, help):  # one sub-command with the flags every measurement shares
-        s = sub.add_parser(name, help=help, description=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        s.add_argument('--model', default=None,
-                       help='a config of vit.py, mixer.py or convmixer.py, or a ResNet of the training '
-                            "scripts (resnet20, ...); default: the one our --checkpoint stored")
+    subs = {}
+    for name, help in [('hessian', 'dominant Hessian eigenvalue of the training loss (power iteration)'),
+                       ('ntk', 'condition number of the empirical NTK (at initialisation without --checkpoint)'),
+                       ('landscape', 'loss along filter-normalised random directions (Li et al. 2018; Fig. 1)'),
+                       ('flatness', 'average flatness E L(w + eps) - L(w), eps ~ N(0, sigma^2 I)'),
+                       ('neurons', 'fraction of active (> 0) hidden units per MLP layer / ResNet stage'),
+                       ('attention', 'ViT attention maps, rollout and mean attention distance (ViT App. D.7)')]:
+        s = subs[name] = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        s.add_argument('--model', help='a config of vit.py / mixer.py / convmixer.py or resnet20 / resnet18 (CIFAR); '
+                       'default: what our --checkpoint stored')
         s.add_argument('--model-kw', nargs='+', action='extend', default=[], metavar='KEY=VALUE',
-                       help='constructor overrides, e.g. dim=128 depth=4 (Python literals, else strings); '
-                            'default: those our --checkpoint stored')
-        s.add_argument('--checkpoint', default=None, metavar='PATH',
-                       help="weights to measure: ours (last.pt), timm's, the official JAX .npz, locuslab's; "
-                            'none = the freshly initialised model (seed --seed)')
-        s.add_argument('--data', required=True, metavar='DIR',
-                       help='CIFAR: what train_cifar.py --data takes; ImageNet: DIR/train and DIR/val, <wnid>/*.JPEG')
-        s.add_argument('--dataset', default=None, choices=sorted(NUM_CLASSES),
-                       help='default: the one our --checkpoint stored, else cifar10')
-        s.add_argument('--img-size', type=int, default=224, help='ImageNet input size in pixels (CIFAR: 32)')
-        s.add_argument('--norm', default=None, choices=sorted(train_imagenet.MEANS),
-                       help='ImageNet input normalisation; default: what our --checkpoint stored, else jax (the .npz)')
-        s.add_argument('--split', default='train', choices=['train', 'test'],
-                       help='which images (ImageNet: test = DIR/val)')
-        s.add_argument('--n', type=int, default=n, help='number of images, class-balanced')
-        s.add_argument('--batch-size', type=int, default=250,
-                       help='images per forward pass (memory only: every result is over all --n images)')
-        s.add_argument('--seed', type=int, default=0,
-                       help='seeds the initialisation (no --checkpoint) and every random draw here')
-        s.add_argument('--out', required=True, metavar='DIR', help=f'receives {OUTPUT[name]} and the figures')
-        s.add_argument('--overwrite', action='store_true', help=f'replace an existing {OUTPUT[name]} in --out')
-        return s
-
-    s = command('hessian', 2000, 'dominant Hessian eigenvalue of the training loss (power iteration, PyHessian)')
-    s.add_argument('--blocks', action='store_true',
-                   help="also one lambda_max per block (ViT: patch embedding, each block's attention and MLP, "
-                        'head; Mixer: token- and channel-mixing MLPs; others: each block)')
-    s.add_argument('--iters', type=int, default=100, help='most Hessian-vector products per eigenvalue')
-    s.add_argument('--tol', type=float, default=1e-4, help='stop when lambda changes by less than this, relative')
-    s = command('ntk', 200, 'condition number kappa of the empirical NTK (at initialisation without --checkpoint)')
-    s.add_argument('--reduce', default='trace', choices=['trace', 'sum', 'full'],
-                   help='trace: sum over classes of per-class kernels (n x n); sum: kernel of the summed logits '
-                        '(TE-NAS / AsViT); full: the (nC x nC) kernel')
-    s.add_argument('--chunk', type=int, default=0,
-                   help='images per Jacobian chunk (memory ~ 2 x chunk x classes x params x 4 bytes; sum: '
-                        'classes = 1); 0 = as many as keep that under 4 GB')
-    s.add_argument('--keep-zero-head', action='store_true',
-                   help='measure an all-zero head as it is (then Theta is the Gram matrix of the head\'s '
-                        'features); default: draw it like the other dense layers first')
-    s = command('landscape', 1000, 'loss along filter-normalised random directions (Li et al. 2018; paper Fig. 1)')
-    s.add_argument('--dims', type=int, default=2, choices=[1, 2], help='1: a curve; 2: a surface')
-    s.add_argument('--steps', type=int, default=21, help='grid points per direction')
-    s.add_argument('--span', type=float, default=1.0, help='coordinates from -span to +span (units of the '
-                                                           'filter-normalised direction)')
-    s = command('flatness', 1000, 'average flatness E L(w + eps) - L(w), eps ~ N(0, sigma^2 I)')
-    s.add_argument('--sigma', type=float, nargs='+', default=[0.01, 0.02, 0.05], help='noise std (weight units)')
-    s.add_argument('--samples', type=int, default=20, help='Monte-Carlo draws per sigma')
-    command('neurons', 5000, 'fraction of active (> 0) hidden units per MLP layer / stage')
-    s = command('attention', 128, 'ViT attention maps, rollout and mean attention distance (ViT App. D.7)')
-    s.add_argument('--images', type=int, default=8, help='images drawn with their attention maps')
-    s = sub.add_parser('table1', formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       help="the paper's Table 1 in miniature: trains 6 models on CIFAR-10 and measures them",
-                       description=TABLE1_HELP)
-    s.add_argument('--data', required=True, metavar='DIR', help='the CIFAR-10 copy (what train_cifar.py --data takes)')
-    s.add_argument('--out', required=True, metavar='DIR', help='runs/, table1.json, table1.md and the figures')
-    s.add_argument('--jobs', type=int, default=2, help='training runs at a time (each with one CPU thread)')
-    s.add_argument('--no-corruption', action='store_true',
-                   help='leave out the accuracy under corruption even when robustness.py is importable')
+                       help='constructor overrides (Python literals); default: what our --checkpoint stored')
+        s.add_argument('--checkpoint', metavar='PATH', help="ours (last.pt), timm's, the official .npz, locuslab's; "
+                       'none = the freshly initialised model (--seed)')
+        s.add_argument('--data', required=True, metavar='DIR', help='what the training script takes as --data')
+        s.add_argument('--dataset', choices=sorted(NUM_CLASSES),
+                       help='default: what our checkpoint stored, else cifar10')
+        s.add_argument('--img-size', type=int, default=224, help='ImageNet input size, px (CIFAR: 32)')
+        s.add_argument('--split', default='train', choices=['train', 'test'], help='which images (ImageNet: val)')
+        s.add_argument('--n', type=int, default=N_DEFAULT[name], help='images (class-balanced on CIFAR)')
+        s.add_argument('--batch-size', type=int, default=250, help='images per forward (memory only)')
+        s.add_argument('--seed', type=int, default=0, help='the initialisation without --checkpoint, every draw')
+        s.add_argument('--out', required=True, metavar='DIR', help=f'receives {name}.json and the figures')
+        s.add_argument('--overwrite', action='store_true', help=f'replace an existing {name}.json')
+    subs['hessian'].add_argument('--blocks', action='store_true', help='also lambda_max of each block (param_blocks)')
+    subs['hessian'].add_argument('--iters', type=int, default=100, help='most Hessian-vector products')
+    subs['hessian'].add_argument('--tol', type=float, default=1e-4, help='stop at this relative change')
+    subs['ntk'].add_argument('--reduce', default='trace', choices=['trace', 'sum', 'full'],
+                             help='trace: sum of per-class kernels; sum: kernel of the summed logits (TE-NAS / '
+                                  'AsViT); full: the (nC x nC) kernel')
+    subs['ntk'].add_argument('--chunk', type=int, default=0, help='images per Jacobian chunk; 0 = all at once')
+    subs['ntk'].add_argument('--keep-zero-head', action='store_true',
+                             help='measure an all-zero head as it is (default: draw it like the other dense layers)')
+    subs['landscape'].add_argument('--dims', type=int, default=2, choices=[1, 2])
+    subs['landscape'].add_argument('--steps', type=int, default=21, help='grid points per direction')
+    subs['landscape'].add_argument('--span', type=float, default=1.0, help='coordinates in [-span, span]')
+    subs['flatness'].add_argument('--sigma', type=float, nargs='+', default=[0.01, 0.02, 0.05], help='noise std')
+    subs['flatness'].add_argument('--samples', type=int, default=20, help='Monte-Carlo draws per sigma')
+    subs['attention'].add_argument('--images', type=int, default=8, help='images drawn with their maps')
+    t = sub.add_parser('table1', formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="the paper's Table 1 in miniature: train 6 small models on CIFAR-10, measure them")
+    t.add_argument('--data', required=True, metavar='DIR', help='the CIFAR-10 copy (train_cifar.py --data)')
+    t.add_argument('--out', required=True, metavar='DIR', help='runs/<run>/, table1.md, table1.json, the figures')
+    t.add_argument('--train-subset', type=int, default=5000, help='class-balanced training images')
+    t.add_argument('--hessian-n', type=int, default=500, help='training images for lambda_max')
+    t.add_argument('--ntk-n', type=int, default=50, help='training images for kappa')
+    t.add_argument('--corruption-n', type=int, default=0, help='test images for robustness.corruption_accuracy '
+                   '(19 corruptions x 5 severities); 0 = leave the column out')
+    t.add_argument('--jobs', type=int, default=2, help='training runs at a time, one thread each')
     args = p.parse_args(argv)
-
-    for name in ('n', 'batch_size', 'iters', 'steps', 'samples', 'images', 'jobs'):
-        if getattr(args, name, 1) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    if getattr(args, 'chunk', 0) < 0 or getattr(args, 'span', 1) <= 0 or getattr(args, 'tol', 1) < 0:
-        raise UserError('--chunk must be >= 0, --span > 0 and --tol >= 0')
-    if any(s < 0 for s in getattr(args, 'sigma', [])):
-        raise UserError(f'--sigma must be >= 0, got {args.sigma}')
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
+    for k in ('n', 'batch_size', 'iters', 'steps', 'samples', 'images', 'jobs', 'train_subset', 'hessian_n', 'ntk_n'):
+        if getattr(args, k, 1) < 1:
+            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+    if getattr(args, 'chunk', 0) < 0 or getattr(args, 'span', 1) <= 0 or min(getattr(args, 'sigma', [0])) < 0:
+        raise UserError('--chunk must be >= 0, --span > 0, --sigma >= 0')
+    if os.path.isfile(args.out):
         raise UserError(f'--out {args.out} is a file; pass a folder')
+    if args.command == 'table1' and max(args.hessian_n, args.ntk_n) > args.train_subset:
+        raise UserError('--hessian-n and --ntk-n are images of the --train-subset: pick them <= it')
+    if args.command == 'table1' and not 0 <= args.corruption_n <= 10_000:
+        raise UserError(f'--corruption-n must be 0..10000 (test images), got {args.corruption_n}')
     return args
 
 
-def progress_printer(prefix, every=5.0):
-    """A progress callable that prints at most one line every `every` seconds (and never a first one
-    before that: measurements shorter than a few seconds stay quiet)."""
+def progress_printer(prefix, every=10.0):
+    """A progress callable printing at most one line per `every` seconds (none for short measurements)."""
     last = [time.time()]
 
     def log(msg):
@@ -557,18 +446,15 @@ def progress_printer(prefix, every=5.0):
 
 
 def write_json(path, obj):
-    """Atomically: PATH.tmp, then os.replace. Non-finite numbers are written as null."""
+    """Atomically (PATH.tmp, then os.replace); inf / nan are written as null."""
     clean = lambda v: ({k: clean(u) for k, u in v.items()} if isinstance(v, dict) else  # noqa: E731
                        [clean(u) for u in v] if isinstance(v, (list, tuple)) else
                        None if isinstance(v, float) and not math.isfinite(v) else v)
-    tmp = path + '.tmp'
     try:
-        with open(tmp, 'w') as f:
-            json.dump(clean(obj), f, indent=1, allow_nan=False)
-        os.replace(tmp, path)
+        with open(path + '.tmp', 'w') as f:
+            json.dump(clean(obj), f, indent=1)
+        os.replace(path + '.tmp', path)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise UserError(f'could not write {path}: {e.strerror or e}') from None
 
 
@@ -579,502 +465,320 @@ def pyplot():
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError('figures need matplotlib (pip install matplotlib); the numbers were written to the '
-                        'JSON file already') from None
+        raise UserError('figures need matplotlib (pip install matplotlib); the JSON was written') from None
     return plt
 
 
 def save_figure(fig, path):
-    fig.savefig(path + '.tmp', format='png', dpi=110, bbox_inches='tight')
-    os.replace(path + '.tmp', path)
+    fig.savefig(path, dpi=110, bbox_inches='tight')
     pyplot().close(fig)
 
 
-def stored_run_args(path):
-    """model / model_kw / dataset as our training scripts store them in last.pt; {} for any other file."""
+def load_model(args):
+    """--model / --model-kw (defaults: what our --checkpoint stored) built with --seed, then --checkpoint loaded
+    by the training script's one loader. Returns (model, info for the JSON)."""
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception:  # not ours (an .npz, ...) or unreadable: load_weights names the problem
-        return {}
-    return ckpt['args'] if isinstance(ckpt, dict) and isinstance(ckpt.get('args'), dict) else {}
-
-
-def load_model(args, device):
-    """The model of --model/--model-kw (defaults from our checkpoint), initialised from --seed, then
-    --checkpoint loaded through the training script's one loader. Returns (model, info for the JSON)."""
-    stored = stored_run_args(args.checkpoint) if args.checkpoint and os.path.isfile(args.checkpoint) else {}
-    args.model = args.model or stored.get('model')
-    args.dataset = args.dataset or stored.get('dataset') or 'cifar10'
+        ckpt = torch.load(args.checkpoint, map_location='cpu', weights_only=True) if args.checkpoint else None
+    except Exception:  # an .npz or another format: load_weights reads it, or names the problem
+        ckpt = None
+    stored = ckpt['args'] if isinstance(ckpt, dict) and isinstance(ckpt.get('args'), dict) else {}
+    args.model, args.dataset = args.model or stored.get('model'), args.dataset or stored.get('dataset', 'cifar10')
+    args.norm = stored.get('norm', 'jax')  # ImageNet: the preprocessing our run used, else the official .npz's
     if not args.model:
-        raise UserError('--model is required (no --checkpoint of ours says which model it holds)')
-    kw = train_cifar.parse_model_kw(args.model_kw) if args.model_kw else stored.get('model_kw') or {}
-    if isinstance(kw, list):  # stored as the command line's KEY=VALUE strings
-        kw = train_cifar.parse_model_kw(kw)
-    script = train_imagenet if args.dataset == 'imagenet' else train_cifar
-    torch.manual_seed(args.seed)
+        raise UserError('--model is required (no checkpoint of ours says which model it holds)')
+    script = train_cifar
+    if args.dataset == 'imagenet':
+        import train_imagenet as script
     try:
-        if args.dataset == 'imagenet':
-            model = train_imagenet.build_model(args.model, 1000, args.img_size, kw)
-        else:
-            model = train_cifar.build_model(args.model, NUM_CLASSES[args.dataset], kw, img_size=32)
+        kw = script.parse_model_kw(args.model_kw or stored.get('model_kw') or [])
+        torch.manual_seed(args.seed)
+        model = (script.build_model(args.model, 1000, args.img_size, kw) if args.dataset == 'imagenet' else
+                 script.build_model(args.model, NUM_CLASSES[args.dataset], kw))
         if args.checkpoint:
             script.load_weights(model, args.checkpoint)
     except script.UserError as e:
         raise UserError(str(e)) from None
-    info = dict(model=args.model, model_kw=kw, checkpoint=args.checkpoint, dataset=args.dataset,
-                init_seed=None if args.checkpoint else args.seed,
-                params=sum(p.numel() for p in model.parameters()), mode=EVAL_NOTE)
-    return model.to(device), info
+    return model, dict(model=args.model, model_kw=kw, checkpoint=args.checkpoint, dataset=args.dataset,
+                       init_seed=None if args.checkpoint else args.seed, mode=EVAL_NOTE,
+                       params=sum(p.numel() for p in model.parameters()))
 
 
-def load_images(args, device):
-    """(uint8 images (n, 3, H, W), labels (n,), normalised batches [(x, y), ...]) on `device`."""
-    if args.dataset == 'imagenet':  # the checkpoint's own preprocessing (our runs store it), else the JAX one
-        stored = (train_imagenet.stored_args(args.checkpoint) if args.checkpoint else None) or {}
-        transform = train_imagenet.eval_transform(args.img_size, stored.get('crop_pct', 0.875),
-                                                  stored.get('eval_interp', 'bilinear'),
-                                                  args.norm or stored.get('norm', 'jax'))
-        try:
-            folder = train_imagenet.image_folder(args.data, 'train' if args.split == 'train' else 'val', transform,
-                                                 args.img_size)
-        except train_imagenet.UserError as e:
-            raise UserError(str(e)) from None
-        picks = torch.linspace(0, len(folder) - 1, min(args.n, len(folder))).long()  # evenly over the sorted classes
-        x, y = (torch.stack(t).to(device) for t in zip(*[(folder[i][0], torch.tensor(folder[i][1])) for i in picks]))
-        images = None  # already normalised by the eval transform
+def load_images(args):
+    """(images for the figures, float in [0, 1], (n, 3, H, W); the normalised batches [(x, y), ...])."""
+    if args.dataset == 'imagenet':  # evenly over the sorted classes
+        import torchvision
+        import train_imagenet
+        folder = os.path.join(args.data, 'train' if args.split == 'train' else 'val')
+        if not os.path.isdir(folder):
+            raise UserError(f'{folder} is not a folder; {train_imagenet.LAYOUT}')
+        ds = torchvision.datasets.ImageFolder(folder, train_imagenet.eval_transform(args.img_size, norm=args.norm))
+        x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1]))
+                                      for i in torch.linspace(0, len(ds) - 1, min(args.n, len(ds))).long()]))
+        shown = (x - x.min()) / (x.max() - x.min())  # the network's input, for the figures
     else:
         try:
-            images, y = train_cifar.load_cifar(args.data, args.dataset, train=args.split == 'train', subset=args.n)
+            u8, y = train_cifar.load_cifar(args.data, args.dataset, args.split == 'train', args.n)
         except train_cifar.UserError as e:
             raise UserError(str(e)) from None
-        images, y = images.to(device), y.to(device)
-        mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in
-                     (train_cifar.MEAN[args.dataset], train_cifar.STD[args.dataset]))
-        x = augment.normalize(images, mean, std)
-    batches = list(zip(x.split(args.batch_size), y.split(args.batch_size)))
-    return images, y, batches
+        stats = [torch.tensor(v[args.dataset]).view(1, 3, 1, 1) for v in (train_cifar.MEAN, train_cifar.STD)]
+        x, shown = augment.normalize(u8, *stats), u8.float() / 255
+    return shown, list(zip(x.split(args.batch_size), y.split(args.batch_size)))
 
 
 def main(argv=None):
     args = get_args(argv)
     if args.command == 'table1':
         return table1(args)
-    path = os.path.join(args.out, OUTPUT[args.command])
+    path = os.path.join(args.out, f'{args.command}.json')
     if os.path.exists(path) and not args.overwrite:
-        raise UserError(f'--out {args.out} already holds {OUTPUT[args.command]}; pick another --out or pass '
-                        '--overwrite')
-    os.makedirs(args.out, exist_ok=True)
-    device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    model, info = load_model(args, device)
+        raise UserError(f'--out {args.out} already holds {args.command}.json; pick another --out or pass --overwrite')
+    model, info = load_model(args)
     if args.command == 'attention' and not isinstance(model, vit.VisionTransformer):
         raise UserError(f'attention needs a ViT; {args.model} is a {type(model).__name__}')
-    images, labels, batches = load_images(args, device)
-    info.update(split=args.split, n=len(labels))
-    what = f"{args.model} ({args.checkpoint or f'init, seed {args.seed}'}) | {len(labels):,} {args.split} images"
-    print(f'geometry.py {args.command} | {what} | {EVAL_NOTE}', flush=True)
-    start, log = time.time(), progress_printer(args.command)
-    COMMANDS[args.command](args, model, images, batches, info, path, log)
-    print(f'  wrote {path} ({train_cifar.fmt_time(time.time() - start)} wall)')
-
-
-def cmd_hessian(args, model, images, batches, info, path, log):
-    lam = hessian_eigenvalue(model, F.cross_entropy, batches, None, args.iters, args.tol, args.seed, progress=log)
-    print(f'  lambda_max (whole model) {lam:.6g}')
-    blocks = {}
-    for name, params in (param_blocks(model).items() if args.blocks else []):
-        blocks[name] = hessian_eigenvalue(model, F.cross_entropy, batches, params, args.iters, args.tol, args.seed,
-                                          progress=log)
-        print(f'  lambda_max {name:24s} {blocks[name]:.6g}', flush=True)
-    write_json(path, {**info, 'lambda_max': lam, 'blocks': blocks, 'iters': args.iters, 'tol': args.tol,
-                      'note': 'dominant eigenvalue (largest |lambda|, sign kept) of the Hessian of the mean '
-                              'cross-entropy; blocks: the diagonal block of that block\'s parameters'})
-
-
-def cmd_ntk(args, model, images, batches, info, path, log):
-    drawn = draw_zero_head_(model, args.seed) if not (args.checkpoint or args.keep_zero_head) else False
+    shown, batches = load_images(args)
     x = torch.cat([xb for xb, _ in batches])
-    calibrated = calibrate_batchnorm_(model, [(x,)]) if not args.checkpoint else False
-    outputs = 1 if args.reduce == 'sum' else NUM_CLASSES[args.dataset]
-    chunk = args.chunk or max(1, int(4e9 / (2 * 4 * outputs * info['params'])))
-    kappa, eig = ntk_condition_number(model, x, args.reduce, chunk if chunk < len(x) else None, progress=log)
-    note = (f"reduce={args.reduce}: " + {'trace': 'Theta_ij = sum_c <df_c(x_i), df_c(x_j)>',
-                                         'sum': 'Theta_ij = <d sum_c f_c(x_i), d sum_c f_c(x_j)> (TE-NAS / AsViT)',
-                                         'full': 'the (nC x nC) kernel'}[args.reduce]
-            + '; all trainable parameters; BatchNorm in eval mode'
-            + (' with running statistics set to those of these images (init)' if calibrated else '')
-            + ('; the all-zero head of the official init was drawn like the other dense layers' if drawn else ''))
-    write_json(path, {**info, 'kappa': kappa, 'reduce': args.reduce, 'chunk': min(chunk, len(x)), 'head_drawn': drawn,
-                      'bn_calibrated': calibrated,
-                      'lambda_max': eig[-1].item(), 'lambda_min': eig[0].item(), 'eigenvalues': eig.tolist(),
-                      'note': note})
-    print(f'  NTK kappa {kappa:.6g} (lambda {eig[-1].item():.4g} / {eig[0].item():.4g}) | {note}')
-
-
-def cmd_landscape(args, model, images, batches, info, path, log):
-    coords, losses = loss_landscape(model, F.cross_entropy, batches, args.dims, args.steps, args.span, args.seed,
-                                    progress=log)
-    write_json(path, {**info, 'dims': args.dims, 'directions_seed': args.seed, 'coords': coords.tolist(),
-                      'loss': losses.tolist(), 'note': 'filter-normalised Gaussian directions (Li et al. 2018), '
-                                                       "1-D parameters not moved (ignore='biasbn')"})
-    mid = args.steps // 2
-    print(f'  loss at the origin {losses[(mid,) * args.dims].item():.4f}, largest {losses.max().item():.4f} '
-          f'(span +-{args.span:g})')
-    plt = pyplot()
-    if args.dims == 1:
-        fig, ax = plt.subplots(figsize=(4, 3))
-        ax.plot(coords.numpy(), losses.numpy())
-        ax.set(xlabel='alpha', ylabel='training loss', title=args.model)
-        save_figure(fig, os.path.join(args.out, 'landscape_curve.png'))
-        return
-    fig, ax = plt.subplots(figsize=(4, 3.5))
-    cs = ax.contour(coords.numpy(), coords.numpy(), losses.T.numpy(), levels=20)  # losses[a, b]: a along x, b along y
-    ax.clabel(cs, fontsize=6)
-    ax.set(xlabel='direction 1', ylabel='direction 2', title=f'{args.model}: training loss')
-    save_figure(fig, os.path.join(args.out, 'landscape_contour.png'))
-    save_figure(surface_figure([(args.model, coords, losses)]), os.path.join(args.out, 'landscape_surface.png'))
+    info.update(split=args.split, n=len(x))
+    os.makedirs(args.out, exist_ok=True)
+    print(f"geometry.py {args.command} | {args.model} ({args.checkpoint or f'init, seed {args.seed}'}) | "
+          f'{len(x):,} {args.split} images | {EVAL_NOTE}', flush=True)
+    start, log, plt = time.time(), progress_printer(args.command), None
+    if args.command == 'hessian':
+        info['lambda_max'] = hessian_eigenvalue(model, F.cross_entropy, batches, None, args.iters, args.tol,
+                                                args.seed, progress=log)
+        print(f"  lambda_max {info['lambda_max']:.6g}", flush=True)
+        info['blocks'] = {}
+        for name, params in (param_blocks(model).items() if args.blocks else []):
+            info['blocks'][name] = hessian_eigenvalue(model, F.cross_entropy, batches, params, args.iters, args.tol,
+                                                      args.seed, progress=log)
+            print(f"  lambda_max {name:24s} {info['blocks'][name]:.6g}", flush=True)
+        info.update(iters=args.iters, tol=args.tol, note='largest-|lambda| eigenvalue (sign kept) of the Hessian '
+                    'of the mean cross-entropy; blocks: the diagonal block of those parameters')
+    elif args.command == 'ntk':
+        drawn = not (args.checkpoint or args.keep_zero_head) and draw_zero_head_(model, args.seed)
+        calibrated = not args.checkpoint and calibrate_batchnorm_(model, [(x,)])
+        kappa, eig = ntk_condition_number(model, x, args.reduce, args.chunk or None, progress=log)
+        info.update(kappa=kappa, reduce=args.reduce, head_drawn=drawn, bn_calibrated=calibrated,
+                    eigenvalues=eig.tolist(), note='all trainable parameters, eval mode' +
+                    ('; BatchNorm statistics set to those of these images' if calibrated else '') +
+                    ("; the official init's zero head drawn like the other dense layers" if drawn else ''))
+        print(f'  NTK kappa ({args.reduce}) {kappa:.6g} = {eig[-1]:.4g} / {eig[0]:.4g} | {info["note"]}')
+    elif args.command == 'landscape':
+        coords, losses = loss_landscape(model, F.cross_entropy, batches, args.dims, args.steps, args.span, args.seed,
+                                        progress=log)
+        info.update(dims=args.dims, coords=coords.tolist(), loss=losses.tolist(), note='filter-normalised Gaussian '
+                    "directions (Li et al. 2018), 1-D parameters not moved (ignore='biasbn')")
+        print(f'  loss at the origin {losses[(args.steps // 2,) * args.dims]:.4f}, largest {losses.max():.4f}')
+        plt = pyplot()
+        if args.dims == 1:
+            fig, ax = plt.subplots(figsize=(4, 3))
+            ax.plot(coords.numpy(), losses.numpy())
+            ax.set(xlabel='alpha', ylabel='training loss', title=args.model)
+            save_figure(fig, os.path.join(args.out, 'landscape_curve.png'))
+        else:
+            fig, ax = plt.subplots(figsize=(4, 3.5))
+            # losses[a, b]: a along x
+            ax.clabel(ax.contour(coords.numpy(), coords.numpy(), losses.T.numpy(), levels=20), fontsize=6)
+            ax.set(xlabel='direction 1', ylabel='direction 2', title=f'{args.model}: training loss')
+            save_figure(fig, os.path.join(args.out, 'landscape_contour.png'))
+            save_figure(surface_figure([(args.model, coords, losses)]), os.path.join(args.out, 'landscape_surface.png'))
+    elif args.command == 'flatness':
+        info['results'] = []
+        for sigma in args.sigma:
+            flat = average_flatness(model, F.cross_entropy, batches, sigma, args.samples, args.seed, progress=log)
+            info['results'].append(dict(sigma=sigma, flatness=flat))
+            print(f'  sigma {sigma:g}: E L(w + eps) - L(w) = {flat:.5g} ({args.samples} draws)', flush=True)
+    elif args.command == 'neurons':
+        info['active'] = active_neurons(model, batches)
+        for name, f in info['active'].items():
+            print(f'  {name:24s} {100 * f:6.2f}% active')
+    else:  # attention
+        dist, k = attention_distance(model, x), min(args.images, len(x))
+        info.update(distance_px=dist.tolist(), note='mean attention distance (ViT App. D.7), px, [layer][head]')
+        print('  mean attention distance per layer (px): ' + ' '.join(f'{d:.1f}' for d in dist.mean(1).tolist()))
+        save_figure(distance_figure([(args.model, dist)], x.shape[-1]),
+                    os.path.join(args.out, 'attention_distance.png'))
+        plt = pyplot()
+        fig, axes = plt.subplots(k, 3, figsize=(6, 2 * k), squeeze=False)
+        last = attention_maps(model, x[:k])[-1].mean(dim=1)
+        for i, maps in enumerate(zip([None] * k, last, attention_rollout(model, x[:k]))):
+            for j, (title, m) in enumerate(zip(('image', 'class token, last layer', 'rollout'), maps)):
+                axes[i, j].imshow(shown[i].permute(1, 2, 0).numpy())
+                if m is not None:  # the patch grid upsampled onto the image
+                    up = F.interpolate(m[None, None], size=shown.shape[-2:], mode='nearest')[0, 0]
+                    axes[i, j].imshow((up / up.max()).numpy(), cmap='jet', alpha=0.5)
+                axes[i, j].set_axis_off()
+                axes[i, j].set_title(title if i == 0 else '', fontsize=8)
+        save_figure(fig, os.path.join(args.out, 'attention_maps.png'))
+    write_json(path, info)
+    print(f'  wrote {path} ({train_cifar.fmt_time(time.time() - start)} wall)')
 
 
 def surface_figure(panels):
     """3-D surfaces side by side, one per (title, coords, losses), on one z scale (paper Fig. 1)."""
     plt = pyplot()
-    fig = plt.figure(figsize=(4.2 * len(panels), 3.6))
-    top = max(l.max().item() for _, _, l in panels)
+    fig, top = plt.figure(figsize=(4.2 * len(panels), 3.6)), max(l.max().item() for _, _, l in panels)
     for i, (title, coords, losses) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1, projection='3d')
         a, b = torch.meshgrid(coords, coords, indexing='ij')
         ax.plot_surface(a.numpy(), b.numpy(), losses.numpy(), cmap='viridis', linewidth=0)
-        ax.set(zlim=(0, top), title=title, zlabel='loss')
+        ax.set(zlim=(0, top), title=title, zlabel='training loss')
     return fig
-
-
-def cmd_flatness(args, model, images, batches, info, path, log):
-    results = []
-    for sigma in args.sigma:
-        base, losses = perturbed_losses(model, F.cross_entropy, batches, sigma, args.samples, args.seed, progress=log)
-        flat = (losses - base).mean().item()
-        stderr = (losses.std().item() / math.sqrt(args.samples)) if args.samples > 1 else float('nan')
-        results.append(dict(sigma=sigma, flatness=flat, stderr=stderr, loss=base))
-        print(f'  sigma {sigma:g}: E L(w + eps) - L(w) = {flat:.5g} +- {stderr:.2g} (loss {base:.4f})', flush=True)
-    write_json(path, {**info, 'samples': args.samples, 'results': results,
-                      'note': 'eps ~ N(0, sigma^2 I) over every parameter; +- is the Monte-Carlo standard error'})
-
-
-def cmd_neurons(args, model, images, batches, info, path, log):
-    fractions = active_neurons(model, batches)
-    write_json(path, {**info, 'active': fractions, 'note': 'fraction of hidden units > 0 (GELU(z) > 0 iff z > 0), '
-                                                           'over all units, tokens and images'})
-    for name, f in fractions.items():
-        print(f'  {name:24s} {100 * f:6.2f}% active')
-
-
-def cmd_attention(args, model, images, batches, info, path, log):
-    x = torch.cat([xb for xb, _ in batches])
-    dist = attention_distance(model, x)  # (L, heads)
-    k = min(args.images, len(x))
-    rollout, last = attention_rollout(model, x[:k]), attention_maps(model, x[:k])[-1].mean(dim=1)
-    write_json(path, {**info, 'distance_px': dist.tolist(), 'mean_distance_px_per_layer': dist.mean(1).tolist(),
-                      'note': 'mean attention distance (ViT paper App. D.7) in pixels, [layer][head]; class '
-                              'token dropped and rows renormalised'})
-    print('  mean attention distance per layer (px): ' + ' '.join(f'{d:.1f}' for d in dist.mean(1).tolist()))
-    plt = pyplot()
-    fig = distance_figure([(args.model, dist)], x.shape[-1])
-    save_figure(fig, os.path.join(args.out, 'attention_distance.png'))
-    if images is None:  # ImageNet: the eval transform normalised them; show the network's input instead
-        shown = (x[:k] - x[:k].amin(dim=(1, 2, 3), keepdim=True))
-        shown = shown / shown.amax(dim=(1, 2, 3), keepdim=True)
-    else:
-        shown = images[:k].float() / 255
-    fig, axes = plt.subplots(k, 3, figsize=(6, 2 * k), squeeze=False)
-    for i in range(k):
-        panels = (('image', None), ('class token, last layer', last[i]), ('rollout', rollout[i]))
-        for j, (title, m) in enumerate(panels):
-            ax = axes[i, j]
-            ax.imshow(shown[i].permute(1, 2, 0).cpu().numpy())
-            if m is not None:  # upsample the patch grid to the image, overlay
-                up = F.interpolate(m[None, None], size=shown.shape[-2:], mode='nearest')[0, 0]
-                ax.imshow((up / up.max()).cpu().numpy(), cmap='jet', alpha=0.5)
-            ax.set_axis_off()
-            if i == 0:
-                ax.set_title(title, fontsize=8)
-    save_figure(fig, os.path.join(args.out, 'attention_maps.png'))
 
 
 def distance_figure(panels, img_size):
     """Mean attention distance of every head against depth (ViT paper Fig. 7), one panel per (title, dist)."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3), squeeze=False, sharey=True)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(3.6 * len(panels), 3), squeeze=False, sharey=True)
     for ax, (title, dist) in zip(axes[0], panels):
         layers = torch.arange(1, dist.shape[0] + 1)[:, None].expand_as(dist)
-        ax.scatter(layers.flatten().numpy(), dist.flatten().cpu().numpy(), s=12)
+        ax.scatter(layers.flatten().numpy(), dist.flatten().numpy(), s=12)
         ax.set(xlabel='network depth (layer)', title=title, ylim=(0, img_size), xticks=layers[:, 0].tolist())
     axes[0, 0].set_ylabel('mean attention distance (px)')
     return fig
 
 
-COMMANDS = dict(hessian=cmd_hessian, ntk=cmd_ntk, landscape=cmd_landscape, flatness=cmd_flatness,
-                neurons=cmd_neurons, attention=cmd_attention)
-
-
-# =============================================================================
-# Table 1 in miniature (paper Table 1: ResNet-152, ViT-B/16 and Mixer-B/16, each with and without SAM)
-TABLE1_HELP = """The paper's Table 1 in miniature, from scratch: three families of ~0.3M parameters (resnet20, a
-small ViT, a small Mixer) on a class-balanced 10,000-image subset of CIFAR-10 with crop + flip only (--aug basic,
-the paper's setting), each trained with AdamW and with SAM for the same epochs (train_cifar.py, --jobs runs at a
-time, one thread each), then measured: params, NTK kappa at initialisation (200 training images), Hessian
-lambda_max (2,000 training images), training error (the 10,000, eval mode, no augmentation), test accuracy (all
-10,000), active neurons in the first and last block (the 10,000), and accuracy under corruption
-(robustness.corruption_accuracy on 500 test images, when robustness.py is importable). Finished runs in OUT/runs
-are reused and unfinished ones resumed, so an interrupted table continues where it stopped."""
-# Three families of ~0.3M parameters. The ViT and the Mixer cut 32 px images into 8 px patches (16 tokens): at
-# 4 px (64 tokens) they cost 4x more per image, more than this budget holds. On 2 CPU cores resnet20 costs
-# ~5x the other two per epoch, and converges faster: it gets fewer epochs (the same for AdamW and SAM in a
-# family). rho: SAM's CIFAR default for the ResNet; for ViT and Mixer the best of 0.05, 0.1, 0.2, 0.5 on
-# held-out training images (README, "Loss geometry").
-TABLE1 = {
-    'resnet20': dict(model='resnet20', model_kw=[], epochs=10, lr=2e-3, rho=0.05),
-    'vit': dict(model='vit_s4_cifar', model_kw=['patch_size=8', 'dim=80', 'depth=4', 'heads=4'], epochs=20,
-                lr=1e-3, rho=0.1),
-    'mixer': dict(model='mixer_s4_cifar', model_kw=['patch_size=8', 'dim=96', 'depth=4', 'tokens_mlp_dim=48',
-                                                    'channels_mlp_dim=384'], epochs=20, lr=1e-3, rho=0.1),
+# ============================================================================= Table 1 in miniature
+# The paper's Table 1: ResNet-152, ViT-B/16, Mixer-B/16, each with and without SAM, on ImageNet. Here: three
+# families of ~0.3M parameters on a class-balanced CIFAR-10 subset, crop + flip only (--aug basic, the paper's
+# setting), AdamW and SAM on the same epochs. ViT and Mixer cut 32 px into 8 px patches (16 tokens): at 4 px
+# they cost ~3x more per image than this 2-core budget holds. resnet20 costs ~6x the others per image here, so
+# it gets fewer epochs. rho: SAM's CIFAR default for the ResNet, 0.1 for ViT and Mixer; not tuned.
+TABLE1 = {  # family: (model, model_kw, epochs, peak lr, rho)
+    'resnet20': ('resnet20', [], 8, 2e-3, 0.05),
+    'vit': ('vit_s4_cifar', ['patch_size=8', 'dim=80', 'depth=4', 'heads=4'], 30, 1e-3, 0.1),
+    'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=96', 'depth=4', 'tokens_mlp_dim=48', 'channels_mlp_dim=384'],
+              30, 1e-3, 0.1),
 }
-TABLE1_TRAIN = ['--dataset', 'cifar10', '--train-subset', '10000', '--test-subset', '1000', '--aug', 'basic',
-                '--batch-size', '128', '--wd', '0.05', '--seed', '0', '--log-every', '0']
-TABLE1_N = dict(train=10_000, hessian=2_000, ntk=200, landscape=500, attention=128, corruption=500)
+TRAIN_FLAGS = ['--aug', 'basic', '--batch-size', '128', '--wd', '0.05', '--seed', '0', '--test-subset', '1000',
+               '--log-every', '0']
 
 
-def table1_runs(out):
-    """{run: (folder, train_cifar.py argv)}, the SAM runs first: they take twice as long."""
-    runs = {}
-    for opt in ('sam', 'adamw'):
-        for name, c in TABLE1.items():
-            argv = ['--model', c['model'], *(['--model-kw', *c['model_kw']] if c['model_kw'] else []),
-                    '--epochs', str(c['epochs']), '--lr', str(c['lr']), *TABLE1_TRAIN]
-            runs[f'{name}_{opt}'] = (os.path.join(out, 'runs', f'{name}_{opt}'),
-                                     argv + (['--sam', '--rho', str(c['rho'])] if opt == 'sam' else []))
-    return runs
-
-
-def run_state(folder, argv):
-    """'done', 'resume' or 'new' for a run folder, after checking that a run there is this run."""
+def train_run(args, run, argv):
+    """One train_cifar.py subprocess (one OpenMP thread; log in OUT/logs/RUN.log); a finished run is reused."""
+    folder, epochs = os.path.join(args.out, 'runs', run), int(argv[argv.index('--epochs') + 1])
     last = os.path.join(folder, 'last.pt')
-    if not os.path.exists(last):
-        return 'new'
-    have = torch.load(last, map_location='cpu', weights_only=True)
-    want = vars(train_cifar.get_args(argv))
-    differ = [k for k in ('model', 'model_kw', 'epochs', 'lr', 'wd', 'sam', 'rho', 'aug', 'batch_size',
-                          'train_subset', 'seed') if have['args'].get(k) != want[k]]
-    if differ:
-        raise UserError(f'{folder} holds another run (' + ', '.join(f'{k}={have["args"].get(k)}' for k in differ)
-                        + '; table1 wants ' + ', '.join(f'{k}={want[k]}' for k in differ)
-                        + '); move it away or pick another --out')
-    return 'done' if have['epoch'] >= want['epochs'] else 'resume'
-
-
-def train_table1_runs(args, runs):
-    """Train every run as a train_cifar.py subprocess, --jobs at a time with one OpenMP thread each,
-    echoing their epoch lines; logs in OUT/logs/<run>.log."""
-    import subprocess
+    if os.path.exists(last):
+        have = torch.load(last, map_location='cpu', weights_only=True)
+        want = vars(train_cifar.get_args(argv))
+        differ = [k for k in ('model', 'model_kw', 'epochs', 'lr', 'sam', 'rho', 'train_subset')
+                  if have['args'][k] != want[k]]
+        if differ:
+            raise UserError(f'{folder} holds another run ({", ".join(differ)} differ); move it away or pick '
+                            'another --out')
+        if have['epoch'] >= epochs:
+            return print(f'  {run}: finished run in {folder}, reused', flush=True)
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_cifar.py'), *argv,
+           *(['--resume', last] if os.path.exists(last) else ['--out', folder])]
+    print(f'  {run}: {" ".join(cmd[1:])}', flush=True)
     os.makedirs(os.path.join(args.out, 'logs'), exist_ok=True)
-    todo = []
-    for name, (folder, argv) in runs.items():
-        state = run_state(folder, argv)
-        if state == 'done':
-            print(f'  {name}: finished run in {folder}, reused')
-        else:
-            todo.append((name, argv + (['--resume', os.path.join(folder, 'last.pt')] if state == 'resume'
-                                       else ['--out', folder])))
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_cifar.py')
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1'}
-    def echo(line):  # the epoch lines, and the first and last ones
-        return line.startswith(('done', 'resumed')) or line.startswith('ep ') and '| train loss' in line
-
-    active = {}  # name: (process, log file, lines echoed)
-    try:
-        while todo or active:
-            while todo and len(active) < args.jobs:
-                name, argv = todo.pop(0)
-                log = open(os.path.join(args.out, 'logs', f'{name}.log'), 'a')
-                print(f'  {name}: train_cifar.py {" ".join(argv)}', flush=True)
-                proc = subprocess.Popen([sys.executable, script, '--data', args.data, *argv], stdout=log,
-                                        stderr=subprocess.STDOUT, env=env)
-                active[name] = (proc, log, 0)
-            time.sleep(5)
-            for name, (proc, log, shown) in list(active.items()):
-                with open(log.name) as f:
-                    lines = [line.rstrip() for line in f if echo(line)]
-                for line in lines[shown:]:
-                    print(f'  {name}: {line}', flush=True)
-                active[name] = (proc, log, len(lines))
-                if proc.poll() is not None:
-                    log.close()
-                    del active[name]
-                    if proc.returncode:
-                        raise UserError(f'training {name} failed (exit {proc.returncode}); see {log.name}')
-    finally:
-        for proc, log, _ in active.values():  # an error or Ctrl-C here: stop the other runs too
-            proc.terminate()
-            log.close()
+    with open(os.path.join(args.out, 'logs', f'{run}.log'), 'a') as log:
+        r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    if r.returncode:
+        raise UserError(f'training {run} failed (exit {r.returncode}); see {log.name}')
+    with open(log.name) as f:
+        print(f'  {run}: {[line for line in f if line.startswith("done")][-1].strip()}', flush=True)
 
 
-@functools.lru_cache(maxsize=1)  # once per worker process
-def table1_data(data, n):
-    """The images table1 measures on (n: TABLE1_N's items): the 10,000 training images (and inside them,
-    since balanced_subset takes the first images of each class, the 2,000 and the 200), the test set."""
-    n = dict(n)
-    try:
-        train_u8, train_y = train_cifar.load_cifar(data, 'cifar10', True, n['train'])
-        test_u8, test_y = train_cifar.load_cifar(data, 'cifar10', False)
-    except train_cifar.UserError as e:
-        raise UserError(str(e)) from None
-    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (train_cifar.MEAN['cifar10'], train_cifar.STD['cifar10']))
-    pick = lambda y, k: train_cifar.balanced_subset(y, n[k], 10)  # noqa: E731
-    batches = lambda i: list(zip(augment.normalize(train_u8[i], mean, std).split(500), train_y[i].split(500)))  # noqa
-    h, c = pick(train_y, 'hessian'), pick(test_y, 'corruption')
-    return dict(train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, mean=mean, std=std,
-                all=batches(slice(None)), hessian=batches(h), landscape=batches(h[::n['hessian'] // n['landscape']]),
-                ntk=augment.normalize(train_u8[pick(train_y, 'ntk')], mean, std), corrupt=(test_u8[c], test_y[c]),
-                attention=augment.normalize(test_u8[pick(test_y, 'attention')], mean, std))
-
-
-def table1_model(out, cfg, run=None):
-    """A TABLE1 entry's model with the initial weights of its runs (train_cifar.main seeds like this before
-    it builds), or with a run's trained weights."""
-    torch.manual_seed(0)
-    model = train_cifar.build_model(cfg['model'], 10, train_cifar.parse_model_kw(cfg['model_kw']))
-    if run:
-        train_cifar.load_weights(model, os.path.join(out, 'runs', run, 'last.pt'))
-    return model
-
-
-def first_last(fractions):
-    """The active fraction of the first and the last block: ViT MLPs, Mixer channel MLPs, ResNet stages."""
-    names = [n for n in fractions if not n.endswith(('mlp_tokens', 'depthwise'))]
-    return fractions[names[0]], fractions[names[-1]]
-
-
-def table1_job(job):
-    """One measurement in a worker process: (kind, family, run, TABLE1 entry, TABLE1_N items, out, data) ->
-    dict. The job carries its constants: a spawned worker re-imports this file."""
-    kind, family, run, cfg, n, out, data = job
-    d, t = table1_data(data, n), time.time()
-    model = table1_model(out, cfg, run if kind != 'ntk' else None)
-    log = progress_printer(f'{run or family} {kind}', every=30)
-    if kind == 'ntk':  # at initialisation: the zero head drawn, BatchNorm statistics of these images
-        drawn, _ = draw_zero_head_(model), calibrate_batchnorm_(model, [(d['ntk'],)])
-        r = dict(head_drawn=drawn, **{f'kappa_{red}': ntk_condition_number(model, d['ntk'], red, 50, progress=log)[0]
-                                       for red in ('trace', 'sum')})
-    elif kind == 'hessian':  # PyHessian's tol: 1e-3 relative
-        r = dict(lambda_max=hessian_eigenvalue(model, F.cross_entropy, d['hessian'], tol=1e-3, progress=log))
-    elif kind == 'eval':
-        acc = lambda x, y: train_cifar.evaluate(model, x, y, d['mean'], d['std'], 500)['top1']  # noqa: E731
-        active = active_neurons(model, d['all'])
-        r = dict(train_error=100 - acc(d['train_u8'], d['train_y']), test_acc=acc(d['test_u8'], d['test_y']),
-                 active=active, active_first=first_last(active)[0], active_last=first_last(active)[1])
-        if isinstance(model, vit.VisionTransformer):
-            r['attention_distance_px'] = attention_distance(model, d['attention']).tolist()
-    elif kind == 'landscape':  # the same directions seed for every run
-        coords, losses = loss_landscape(model, F.cross_entropy, d['landscape'], 2, 13, 1.0, seed=0, progress=log)
-        r = dict(coords=coords.tolist(), loss=losses.tolist())
-    else:  # corruption: robustness.py (issue 14); the corrupted set is cached in OUT, made by the first call
-        import robustness
-        c = robustness.corruption_accuracy(model, *d['corrupt'], train_cifar.MEAN['cifar10'],
+def measure_run(args, run, family, d, log):
+    """Train one run (train_run), then measure it; the numbers are kept in OUT/runs/RUN/geometry.json, so a
+    second call only adds what is missing (e.g. the corruption column)."""
+    train_run(args, run, d['argv'][run])
+    path = os.path.join(args.out, 'runs', run, 'geometry.json')
+    m = json.load(open(path)) if os.path.exists(path) else {}
+    model = train_cifar.build_model(TABLE1[family][0], 10, train_cifar.parse_model_kw(TABLE1[family][1]))
+    train_cifar.load_weights(model, os.path.join(args.out, 'runs', run, 'last.pt'))
+    if 'lambda_max' not in m:  # PyHessian's tol, at most 20 Hessian-vector products
+        m['lambda_max'] = hessian_eigenvalue(model, F.cross_entropy, d['hessian'], iters=20, tol=1e-3, progress=log)
+    if 'test_acc' not in m:  # eval mode, no augmentation; the whole training subset and test set
+        m['train_error'] = 100 - train_cifar.evaluate(model, d['train_u8'], d['train_y'], *d['stats'], 500)['top1']
+        m['test_acc'] = train_cifar.evaluate(model, d['test_u8'], d['test_y'], *d['stats'], 500)['top1']
+        m['active'] = active_neurons(model, d['hessian'])
+    if family == 'vit' and 'landscape' not in m:  # the same directions seed for both ViTs
+        coords, losses = loss_landscape(model, F.cross_entropy, d['hessian'], 2, 11, 1.0, progress=log)
+        m.update(landscape=dict(coords=coords.tolist(), loss=losses.tolist()),
+                 attention_distance_px=attention_distance(model, d['attention']).tolist())
+    if args.corruption_n and m.get('corruption_n') != args.corruption_n:
+        import robustness  # issue 14; the corrupted set is cached in OUT by the first call
+        c = train_cifar.balanced_subset(d['test_y'], args.corruption_n, 10)
+        r = robustness.corruption_accuracy(model, d['test_u8'][c], d['test_y'][c], train_cifar.MEAN['cifar10'],
                                            train_cifar.STD['cifar10'], seed=0, batch_size=500,
-                                           cache_dir=os.path.join(out, f'cifar10c-{len(d["corrupt"][1])}'))
-        r = dict(corruption_acc=c['mean_acc'], corruption_clean_acc=c['clean']['acc'], corruption_note=c['note'])
-    numbers = ' | '.join(f'{k} {v:.4g}' for k, v in r.items() if isinstance(v, float))
-    print(f'  {run or family}: {kind} | {numbers} | {train_cifar.fmt_time(time.time() - t)}', flush=True)
-    return r
-
-
-def run_jobs(jobs, workers):
-    """[job, ...] -> [result, ...] in `workers` spawned processes of one thread each: on 2 shared cores,
-    OpenMP threads spinning at barriers while a neighbour holds a core make 2-thread runs several times slower."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(workers, multiprocessing.get_context('spawn'), initializer=torch.set_num_threads,
-                             initargs=(1,)) as pool:
-        return list(pool.map(table1_job, jobs))
+                                           cache_dir=os.path.join(args.out, f'cifar10c-{args.corruption_n}'))
+        m.update(corruption_n=args.corruption_n, corruption_acc=r['mean_acc'], corruption_note=r['note'])
+    write_json(path, m)
+    print(f"  {run}: lambda_max {m['lambda_max']:.4g} | train error {m['train_error']:.2f}% | test acc "
+          f"{m['test_acc']:.2f}%", flush=True)
+    return m
 
 
 def table1(args):
     t0 = time.time()
-    for name in ('table1.json', 'table1.md'):
-        if os.path.exists(os.path.join(args.out, name)):
-            raise UserError(f'--out {args.out} already holds {name}; move it away or pick another --out '
-                            '(finished training runs in OUT/runs are reused)')
-    corruption = False  # robustness.py (issue 14) adds the corrupted-accuracy column when it is importable
-    if not args.no_corruption:
-        try:
-            import robustness
-            corruption = callable(robustness.corruption_accuracy)
-        except (ImportError, AttributeError) as e:
-            print(f'  no corruption column: robustness.corruption_accuracy is not importable ({e})')
-    print(f'geometry.py table1 | {len(TABLE1) * 2} runs on CIFAR-10 ({TABLE1_N["train"]:,} training images, '
-          f'aug basic) | {EVAL_NOTE}', flush=True)
+    if os.path.exists(os.path.join(args.out, 'table1.json')):
+        raise UserError(f'--out {args.out} already holds table1.json; move it away (runs and measurements in '
+                        'OUT/runs are reused)')
+    argv = {f'{f}_{opt}': ['--data', args.data, '--model', m, *(['--model-kw', *kw] if kw else []), '--epochs', str(ep),
+                           '--lr', str(lr), '--train-subset', str(args.train_subset), *TRAIN_FLAGS,
+                           *(['--sam', '--rho', str(rho)] if opt == 'sam' else [])]
+            for opt in ('sam', 'adamw') for f, (m, kw, ep, lr, rho) in TABLE1.items()}  # the longer SAM runs first
+    print(f'geometry.py table1 | {len(argv)} runs on {args.train_subset:,} CIFAR-10 training images | {EVAL_NOTE}')
+    try:
+        train_u8, train_y = train_cifar.load_cifar(args.data, 'cifar10', True, args.train_subset)
+        test_u8, test_y = train_cifar.load_cifar(args.data, 'cifar10', False)
+    except train_cifar.UserError as e:
+        raise UserError(str(e)) from None
+    stats = [torch.tensor(v).view(1, 3, 1, 1) for v in (train_cifar.MEAN['cifar10'], train_cifar.STD['cifar10'])]
+    h = train_cifar.balanced_subset(train_y, args.hessian_n, 10)
+    d = dict(argv=argv, train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, stats=stats,
+             hessian=list(zip(augment.normalize(train_u8[h], *stats).split(250), train_y[h].split(250))),
+             attention=augment.normalize(test_u8[train_cifar.balanced_subset(test_y, 128, 10)], *stats))
+    log = progress_printer('table1', every=30)
 
-    # --- 1. training: train_cifar.py subprocesses ------------------------------------------------------------
-    runs = table1_runs(args.out)
-    train_table1_runs(args, runs)
-    t_train = time.time() - t0
-    print(f'  training done | {train_cifar.fmt_time(t_train)} wall', flush=True)
-    n = tuple(TABLE1_N.items())
-    table1_data(args.data, n)  # a data error stops here, with its message, before any worker starts
+    # --- 1. NTK kappa at initialisation, the runs' initial weights (train_cifar seeds with --seed 0, then builds);
+    # the official zero head drawn like the other dense layers, BatchNorm statistics of these images
+    ntk_x = augment.normalize(train_u8[train_cifar.balanced_subset(train_y, args.ntk_n, 10)], *stats)
+    init = {}
+    for family, (name, kw, *_) in TABLE1.items():
+        torch.manual_seed(0)
+        model = train_cifar.build_model(name, 10, train_cifar.parse_model_kw(kw))
+        init[family] = dict(params=sum(p.numel() for p in model.parameters()), head_drawn=draw_zero_head_(model),
+                            bn_calibrated=calibrate_batchnorm_(model, [(ntk_x,)]))
+        for red in ('trace', 'sum'):
+            init[family][f'kappa_{red}'] = ntk_condition_number(model, ntk_x, red, progress=log)[0]
+        print(f"  {family} at init: kappa {init[family]['kappa_trace']:.4g} (trace), {init[family]['kappa_sum']:.4g} "
+              f"(sum) | {train_cifar.fmt_time(time.time() - t0)}", flush=True)
 
-    # --- 2. the columns and the figures' numbers, the longest jobs first; the corrupted set is made once ------
-    pairs = [(f, r) for r in runs for f in TABLE1 if r.startswith(f + '_')]
-    job = lambda kind, f, r: (kind, f, r, TABLE1[f], n, args.out, args.data)  # noqa: E731
-    jobs = ([job('hessian', f, r) for f, r in pairs] + [job('corruption', *pairs[0])] * corruption
-            + [job('ntk', f, None) for f in TABLE1] + [job('landscape', 'vit', r) for r in ('vit_adamw', 'vit_sam')]
-            + [job('eval', f, r) for f, r in pairs])
-    results = {(j[0], j[2] or j[1]): r for j, r in zip(jobs, run_jobs(jobs, args.jobs))}
-    later = [job('corruption', f, r) for f, r in pairs[1:]] if corruption else []  # read the cached set
-    results.update({(j[0], j[2]): r for j, r in zip(later, run_jobs(later, args.jobs) if later else [])})
+    # --- 2. train (train_cifar.py subprocesses, one thread each) and measure, --jobs runs at a time
+    torch.set_num_threads(1)  # each worker thread computes on one core, beside its neighbour's training
+    runs = [(run, run.rsplit('_', 1)[0]) for run in argv]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        measured = dict(zip(argv, pool.map(lambda r: measure_run(args, *r, d, log), runs)))
     rows = []
-    for family, c in TABLE1.items():
-        for opt in ('adamw', 'sam'):
-            run = f'{family}_{opt}'
-            rows.append(dict(run=run, family=family, sam=opt == 'sam', rho=c['rho'] if opt == 'sam' else None,
-                             model=c['model'], model_kw=c['model_kw'], epochs=c['epochs'], lr=c['lr'],
-                             params=sum(p.numel() for p in table1_model(args.out, c).parameters()),
-                             **results[('ntk', family)], **results[('hessian', run)], **results[('eval', run)],
-                             **results.get(('corruption', run), {})))
-
-    # --- 3. figures: ViT with and without SAM (the landscape: the same directions seed) ----------------------
-    vits = [(f'ViT{" + SAM" * r.endswith("sam")}', r) for r in ('vit_adamw', 'vit_sam')]
-    grids = [(t, *(torch.tensor(results[('landscape', r)][k]) for k in ('coords', 'loss'))) for t, r in vits]
-    save_figure(surface_figure(grids), os.path.join(args.out, 'landscape_vit.png'))
-    dists = [(t, torch.tensor(results[('eval', r)]['attention_distance_px'])) for t, r in vits]
-    save_figure(distance_figure(dists, 32), os.path.join(args.out, 'attention_distance_vit.png'))
-
-    # --- 4. the table --------------------------------------------------------------------------------------------
+    for family in TABLE1:
+        for run in (f'{family}_adamw', f'{family}_sam'):
+            m = measured[run]
+            sites = [k for k in m['active'] if not k.endswith('mlp_tokens')]  # Mixer: its channel MLPs
+            rows.append(dict(run=run, family=family, sam=run.endswith('sam'), **init[family], **m,
+                             active_first=m['active'][sites[0]], active_last=m['active'][sites[-1]]))
+    # --- 3. figures (ViT with and without SAM) and the table
+    vits = [(t, next(r for r in rows if r['run'] == run)) for t, run in (('ViT', 'vit_adamw'),
+                                                                          ('ViT + SAM', 'vit_sam'))]
+    save_figure(surface_figure([(t, *(torch.tensor(r['landscape'][k]) for k in ('coords', 'loss'))) for t, r in vits]),
+                os.path.join(args.out, 'landscape_vit.png'))
+    save_figure(distance_figure([(t, torch.tensor(r['attention_distance_px'])) for t, r in vits], 32),
+                os.path.join(args.out, 'attention_distance_vit.png'))
+    corrupt = any('corruption_acc' in r for r in rows)
+    lines = ['| model | params | NTK kappa (trace) | NTK kappa (sum) | Hessian lambda_max | train error % | test acc % '
+             '| active first % | active last %' + ' | corrupted acc %' * corrupt + ' |', '|---' * (9 + corrupt) + '|']
+    for r in rows:
+        lines.append(f"| {r['family']}{' + SAM' * r['sam']} | {r['params']:,} | {r['kappa_trace']:.4g} | "
+                     f"{r['kappa_sum']:.4g} | {r['lambda_max']:.4g} | {r['train_error']:.2f} | {r['test_acc']:.2f} | "
+                     f"{100 * r['active_first']:.1f} | {100 * r['active_last']:.1f} |"
+                     + (f" {r.get('corruption_acc', float('nan')):.2f} |" if corrupt else ''))
     wall = time.time() - t0
-    hardware = f'{os.cpu_count()} CPU cores, torch {torch.__version__}, {args.jobs} single-thread processes'
-    write_json(os.path.join(args.out, 'table1.json'), dict(
-        rows=rows, wall_s=wall, train_wall_s=t_train, n=TABLE1_N, train_flags=TABLE1_TRAIN, hardware=hardware,
-        landscape={r: results[('landscape', r)] for _, r in vits}, conventions=[
-            EVAL_NOTE, "kappa: the empirical NTK at initialisation on 200 training images, all parameters, the "
-            "official init's zero ViT/Mixer head drawn like the other dense layers, BatchNorm statistics of those "
-            "images", 'lambda_max: power iteration to a relative change of 1e-3 (PyHessian), 2,000 training images',
-            'training error: the 10,000 training images, eval mode, no augmentation; test accuracy: all 10,000']))
-    md = table1_markdown(rows, corruption) + (f'\n\nWall time {train_cifar.fmt_time(wall)} (training '
-                                              f'{train_cifar.fmt_time(t_train)}); {hardware}.\n')
+    md = '\n'.join(lines) + f'\n\nwall {train_cifar.fmt_time(wall)}\n'
+    write_json(os.path.join(args.out, 'table1.json'), dict(rows=rows, wall_s=wall, args=vars(args),
+                                                          train_flags=TRAIN_FLAGS, table1=TABLE1))
     with open(os.path.join(args.out, 'table1.md'), 'w') as f:
         f.write(md)
-    print(md)
-    print(f'done | table1 | {train_cifar.fmt_time(wall)} wall | {os.path.join(args.out, "table1.md")}')
-
-
-def table1_markdown(rows, with_corruption):
-    head = ['model', 'params', 'NTK kappa (trace)', 'NTK kappa (sum)', 'Hessian lambda_max', 'train error %',
-            'test acc %', 'active first %', 'active last %'] + ['corrupted acc %'] * with_corruption
-    lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
-    for r in rows:
-        name = r['run'].replace('_adamw', ' (AdamW)').replace('_sam', f' + SAM (rho {r["rho"]})')
-        cells = [name, f'{r["params"]:,}', f'{r["kappa_trace"]:.4g}', f'{r["kappa_sum"]:.4g}', f'{r["lambda_max"]:.4g}',
-                 f'{r["train_error"]:.2f}', f'{r["test_acc"]:.2f}', f'{100 * r["active_first"]:.1f}',
-                 f'{100 * r["active_last"]:.1f}'] + [f'{r.get("corruption_acc", float("nan")):.2f}'] * with_corruption
-        lines.append('| ' + ' | '.join(cells) + ' |')
-    return '\n'.join(lines)
+    print(md + f'done | table1 | {train_cifar.fmt_time(wall)} wall | {os.path.join(args.out, "table1.md")}')
 
 
 if __name__ == '__main__':

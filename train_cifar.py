@@ -3,18 +3,15 @@
     python train_cifar.py --out runs/convmixer       # ConvMixer-256/8 (k5, p2), CIFAR-10, 25 epochs
     torchrun --nproc_per_node 8 train_cifar.py --model vit_s4_cifar --aug basic --sam --out runs/vit
     python train_cifar.py --resume runs/vit/last.pt  # continue; unset flags default to the run's
+    python train_cifar.py --recipe finetune --pretrained ViT-B_16.npz --model vit_b16 --img-size 224
 
-Defaults: the README run of locuslab/convmixer-cifar10 (~92.5% in 25 epochs), its `train.py --lr-max=0.05
---ra-n=2 --ra-m=12 --wd=0.005 --scale=1.0 --jitter=0 --reprob=0`. Deviations: the last partial batch of
-each epoch is dropped (the reference keeps it; on CIFAR-10 97 steps of 512, not 97 + one of 336: one step
-in 98 fewer, and a different 0.7% of the images sits out each epoch; the schedule's t counts full steps);
-the augmentation is torchvision's tensor ops batched on the device (augment.py), not its PIL ops; autocast
-is bf16 on CUDA by default (the reference: fp16 + GradScaler, here --amp fp16); CIFAR-100 has its own
-mean/std. The data lives on the device as uint8 (150 MB): no DataLoader. Under torchrun --batch-size and
---lr are global, rank 0 prints and saves, evaluation is exact. Each epoch's random draws are seeded from
-(--seed, epoch, rank), so --resume continues bit-identically.
+Defaults: the README run of locuslab/convmixer-cifar10 (~92.5% in 25 epochs), but the last partial batch of an
+epoch is dropped, augmentation is torchvision's tensor ops batched on the device (augment.py), autocast is bf16 on
+CUDA, CIFAR-100 has its own mean/std. The data lives on the device as uint8. Each epoch's random draws are seeded
+from (--seed, epoch, rank): --resume at an epoch boundary continues bit-identically.
 """
 import argparse
+from argparse import ArgumentDefaultsHelpFormatter, Namespace
 import ast
 import json
 import math
@@ -22,7 +19,6 @@ import os
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -39,6 +35,7 @@ import convmixer
 import mixer
 import vit
 from augment import make_augment, normalize
+from pgd import pgd
 from sam import SAM, first_pass, second_pass
 
 NUM_CLASSES = {'cifar10': 10, 'cifar100': 100}
@@ -46,9 +43,15 @@ NUM_CLASSES = {'cifar10': 10, 'cifar100': 100}
 MEAN = {'cifar10': (0.4914, 0.4822, 0.4465), 'cifar100': (0.5071, 0.4865, 0.4409)}
 STD = {'cifar10': (0.2471, 0.2435, 0.2616), 'cifar100': (0.2673, 0.2564, 0.2762)}
 MODEL_FILES = (convmixer, vit, mixer)
+# Defaults of the flags left unset. finetune: the ViT paper's (Dosovitskiy et al. 2021, App. B.1.1) as
+# vit_jax/configs/common.py and train.py run it on CIFAR: SGD momentum 0.9, no weight decay, base lr 0.03, batch
+# 512, 10,000 steps (~100 epochs), warm-up 500 steps (5%) then cosine, global-norm clip 1.0, Inception crop +
+# flip (input_pipeline.py: area 0.05-1; square here), inputs (x - 0.5) / 0.5 as the released weights expect.
+RECIPES = {'locuslab': {}, 'finetune': dict(epochs=100, lr=0.03, wd=0.0, clip_grad=1.0, scale=0.05, randaug_n=0)}
+WARMUP = 0.05  # finetune: the warm-up's share of all steps (500 of 10,000)
 RUN_FILES = ('last.pt', 'metrics.jsonl', 'args.json')
 RUN_KEYS = ('model', 'optimizer', 'scaler', 'epoch', 'step', 'history', 'args')  # what last.pt holds
-NOT_INHERITED = ('resume', 'checkpoint', 'eval_only', 'out', 'overwrite')
+NOT_INHERITED = ('resume', 'checkpoint', 'eval_only', 'out', 'overwrite', 'pretrained')
 NO_STEP = 2 ** 62  # "no step yet" for the first non-finite loss
 
 
@@ -56,33 +59,37 @@ class UserError(Exception):
     """A mistake in the command line or in the files it names: one line on stderr, exit 1."""
 
 
-# -----------------------------------------------------------------------------
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description='Train a ConvMixer / ViT / MLP-Mixer / ResNet on CIFAR, optionally '
-                                'with SAM.', formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.partition('\n')[0], formatter_class=ArgumentDefaultsHelpFormatter)
+    p.add_argument('--recipe', default='locuslab', choices=sorted(RECIPES), help='locuslab (AdamW, one cycle: '
+                   f'as shown) or finetune (ViT paper App. B.1.1: SGD, warm-up + cosine, {RECIPES["finetune"]})')
     g = p.add_argument_group('data')
-    g.add_argument('--data', default='./data', metavar='DIR', help="torchvision's CIFAR (downloaded when absent) "
-                   'or an image folder DIR/{train,test}/<class>/*.png')
+    g.add_argument('--data', default='./data', metavar='DIR', help="torchvision's CIFAR or DIR/{train,test}/<class>/*")
     g.add_argument('--dataset', default='cifar10', choices=sorted(NUM_CLASSES), help='CIFAR-100: fine labels')
     g.add_argument('--train-subset', type=int, default=0, metavar='N', help='N class-balanced images; 0 = all')
     g.add_argument('--test-subset', type=int, default=0, metavar='N', help='N class-balanced images; 0 = all')
+    g.add_argument('--img-size', type=int, default=32, metavar='PX', help='bilinear upsampling after augmentation')
     g = p.add_argument_group('model')
-    g.add_argument('--model', default='convmixer_256_8', help='a config of convmixer.py, vit.py or mixer.py, or '
-                   'resnet18 / resnet20; at 32 px ImageNet configs take patch p/4 (ViT, Mixer) or p/7 (ConvMixer)')
+    g.add_argument('--model', default='convmixer_256_8', help='a config of convmixer.py, vit.py, mixer.py; resnet18/20')
     g.add_argument('--model-kw', nargs='+', action='extend', default=[], metavar='KEY=VALUE',
                    help='constructor overrides (Python literals), e.g. dim=128 depth=4; classes come from --dataset')
-    g = p.add_argument_group('optimisation (AdamW; "locuslab": that script\'s own argparse default)')
+    g.add_argument('--pretrained', metavar='PATH', help='fine-tune from weights (as --checkpoint): a head of other '
+                   'classes is replaced by zeros, a ViT pos_embed resampled (ViT paper Sec. 3.2)')
+    g = p.add_argument_group('optimisation ("locuslab": that script\'s own argparse default)')
     g.add_argument('--epochs', type=int, default=25)
     g.add_argument('--batch-size', type=int, default=512, help='global batch: images per optimizer step')
-    g.add_argument('--lr', type=float, default=0.05, help="peak LR of locuslab's one cycle: 0 -> lr at epoch "
-                   'E*2//5 -> lr/20 at E*4//5 -> 0 at E, set every step (its --lr-max; locuslab 0.01)')
+    g.add_argument('--lr', type=float, default=0.05, help="peak LR; locuslab's one cycle: 0 -> lr at epoch E*2//5 "
+                   '-> lr/20 at E*4//5 -> 0 at E, set every step (its --lr-max; locuslab 0.01)')
     g.add_argument('--wd', type=float, default=0.005, help='decoupled weight decay (locuslab 0.01)')
     g.add_argument('--label-smoothing', type=float, default=0.0)
-    g.add_argument('--clip-grad', type=float, default=0.0, help='clip the global gradient norm (SAM: the second '
-                   'gradient); 0 = off (its --clip-norm clips at 1.0)')
+    g.add_argument('--clip-grad', type=float, default=0.0, help='global grad-norm clip (SAM: of g_SAM); 0 = off')
     g.add_argument('--sam', action='store_true', help='Sharpness-Aware Minimization (Foret et al. 2021)')
     g.add_argument('--rho', type=float, default=0.05, help='SAM neighbourhood radius')
     g.add_argument('--adaptive', action='store_true', help='ASAM (Kwon et al. 2021): eps-hat scaled by |w|')
+    g.add_argument('--adv', choices=['pgd'], help='train on PGD examples (Madry et al. 2018, pgd.py)')
+    g.add_argument('--adv-eps', type=float, default=8.0, help='L-inf radius, in pixel levels /255')
+    g.add_argument('--adv-alpha', type=float, default=2.0, help='PGD step size, in pixel levels /255')
+    g.add_argument('--adv-steps', type=int, default=7, help='PGD steps (Madry et al.: 7 on CIFAR)')
     g = p.add_argument_group('augmentation (augment.py: on the device, drawn per image)')
     g.add_argument('--aug', default='strong', choices=['strong', 'basic'], help="strong: locuslab's crop, flip, "
                    "RandAugment, jitter, erasing; basic: the SAM paper's 4-px pad-and-crop + flip")
@@ -92,8 +99,7 @@ def get_args(argv=None):
     g.add_argument('--jitter', type=float, default=0.0, help='ColorJitter strength (locuslab 0.1)')
     g.add_argument('--reprob', type=float, default=0.0, help='RandomErasing probability (locuslab 0.25)')
     g = p.add_argument_group('system')
-    g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'],
-                   help='autocast: auto = bf16 on CUDA, off on CPU; fp16 adds a GradScaler')
+    g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'], help='auto: bf16 on GPU, else off')
     g.add_argument('--channels-last', action='store_true', help='NHWC memory format (faster convs on GPU)')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
     g.add_argument('--seed', type=int, default=0, help='seeds the init, the data order and the augmentation')
@@ -104,23 +110,25 @@ def get_args(argv=None):
     g.add_argument('--overwrite', action='store_true', help='replace the run already in --out')
     g.add_argument('--resume', metavar='PATH', help='continue this last.pt; unset flags default to its run')
     g.add_argument('--eval-only', action='store_true', help='evaluate --checkpoint on the test set and exit')
-    g.add_argument('--checkpoint', metavar='PATH', help='for --eval-only: our last.pt (whose model, model-kw '
-                   'and dataset are then the defaults), a timm or locuslab file, or an official .npz')
+    g.add_argument('--checkpoint', metavar='PATH', help='for --eval-only: our last.pt (its model, model-kw, dataset, '
+                   'img-size, recipe are the defaults), a timm or locuslab file, or an official .npz')
+    p.set_defaults(**RECIPES[p.parse_known_args(argv)[0].recipe])  # (a resumed run's own values win below)
     args = p.parse_args(argv)
     # One of our runs: what it stored is the default of every flag not given (argparse fills only unset ones).
     run = args.resume or (args.checkpoint if args.eval_only and not str(args.checkpoint).endswith('.npz') else None)
     ckpt = read_checkpoint(run, '--resume' if args.resume else '--checkpoint') if run else None
     if isinstance(ckpt, dict) and all(k in ckpt for k in RUN_KEYS):
-        keep = [k for k in vars(p.parse_args([])) if k not in NOT_INHERITED and k in ckpt['args']]
-        keep = keep if args.resume else ['model', 'model_kw', 'dataset']
-        args = p.parse_args(argv, namespace=argparse.Namespace(**{k: ckpt['args'][k] for k in keep}))
+        keep = [k for k in vars(args) if k not in NOT_INHERITED] if args.resume else \
+            ['model', 'model_kw', 'dataset', 'img_size', 'recipe']
+        args = p.parse_args(argv, namespace=Namespace(**{k: ckpt['args'][k] for k in keep if k in ckpt['args']}))
         args.saved_args = ckpt['args']
     elif args.resume:
         raise UserError(f'--resume {run} is not a train_cifar.py checkpoint (it lacks some of {RUN_KEYS})')
     args.out = args.out or (str(Path(args.resume).parent) if args.resume else 'runs/cifar')
-    for k in ('epochs', 'batch_size', 'eval_batch_size', 'train_subset', 'test_subset', 'log_every', 'randaug_n',
-              'seed', 'lr', 'wd', 'rho', 'clip_grad', 'jitter', 'label_smoothing', 'reprob'):
-        v, least = getattr(args, k), 1 if k in ('epochs', 'batch_size', 'eval_batch_size') else 0
+    positive = ('epochs', 'batch_size', 'eval_batch_size', 'img_size', 'adv_steps')
+    for k in positive + ('train_subset', 'test_subset', 'log_every', 'randaug_n', 'seed', 'lr', 'wd', 'rho',
+                         'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'):
+        v, least = getattr(args, k), 1 if k in positive else 0
         if not (math.isfinite(v) and v >= least):
             raise UserError(f"--{k.replace('_', '-')} must be a finite number >= {least}, got {v}")
     if not (0 <= args.randaug_m <= 30 and 0 < args.scale <= 1 and args.reprob <= 1 and args.label_smoothing < 1):
@@ -128,6 +136,8 @@ def get_args(argv=None):
                         f'--reprob <= 1 ({args.reprob}), --label-smoothing < 1 ({args.label_smoothing})')
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
         raise UserError('--eval-only evaluates --checkpoint PATH (not --resume); --checkpoint is for --eval-only')
+    if args.pretrained and (args.resume or args.eval_only):
+        raise UserError('--pretrained starts a new run from weights; --resume and --eval-only load their own')
     if args.resume and args.overwrite:
         raise UserError('--resume continues a run; --overwrite would start a new one in its folder')
     parse_model_kw(args.model_kw)
@@ -147,27 +157,22 @@ def parse_model_kw(items):
     return out
 
 
-# ----------------------------------------------------------------------------- Data
 def load_cifar(root, dataset, train, subset=0):
     """uint8 images (N, 3, 32, 32), int64 labels (N,): from an image folder root/{train,test}/<class>/*, else
     from torchvision's CIFAR folder in root (downloaded when absent). subset: the first subset/C per class."""
-    root, num_classes = Path(root), NUM_CLASSES[dataset]
-    if (root / 'train').is_dir() and (root / 'test').is_dir():
-        return read_image_folder(root, 'train' if train else 'test', num_classes, subset)
-    cls = {'cifar10': torchvision.datasets.CIFAR10, 'cifar100': torchvision.datasets.CIFAR100}[dataset]
-    try:
-        ds = cls(root, train=train, download=True)  # a no-op when the files are there and pass their md5
-    except (OSError, RuntimeError) as e:  # offline (URLError is an OSError), or a download failing its md5
-        found = 'files that fail their md5 check' if (root / cls.base_folder).exists() else f'no {dataset}'
-        raise UserError(f'{root} holds {found}, and torchvision could not download it ({one_line(e)}). Fetch '
-                        f'{cls.url} and extract it into {root}, or pass --data DIR with DIR/train/<class>/*.png '
-                        'and DIR/test/<class>/*.png')
-    x, y = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets)
-    keep = balanced_subset(y, subset, num_classes) if subset else slice(None)
-    return x[keep], y[keep]
-
-
-def read_image_folder(root, split, num_classes, subset):
+    root, num_classes, split = Path(root), NUM_CLASSES[dataset], 'train' if train else 'test'
+    if not ((root / 'train').is_dir() and (root / 'test').is_dir()):
+        cls = {'cifar10': torchvision.datasets.CIFAR10, 'cifar100': torchvision.datasets.CIFAR100}[dataset]
+        try:
+            ds = cls(root, train=train, download=True)  # a no-op when the files are there and pass their md5
+        except (OSError, RuntimeError) as e:  # offline (URLError is an OSError), or a download failing its md5
+            found = 'files that fail their md5 check' if (root / cls.base_folder).exists() else f'no {dataset}'
+            raise UserError(f'{root} holds {found}, and torchvision could not download it ({one_line(e)}). Fetch '
+                            f'{cls.url} and extract it into {root}, or pass --data DIR with DIR/train/<class>/*.png '
+                            'and DIR/test/<class>/*.png')
+        x, y = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets)
+        keep = balanced_subset(y, subset, num_classes) if subset else slice(None)
+        return x[keep], y[keep]
     try:  # torchvision's ImageFolder: the sorted class folders, their index is the label
         ds = torchvision.datasets.ImageFolder(root / split)
     except FileNotFoundError as e:  # an empty class folder, or none at all
@@ -179,19 +184,15 @@ def read_image_folder(root, split, num_classes, subset):
                         f'{sorted(set(train_classes) - set(ds.classes))}')
     labels = torch.tensor(ds.targets)
     keep = balanced_subset(labels, subset, num_classes) if subset else torch.arange(len(labels))
-
-    def decode(path):
+    x = []
+    for path, _ in (ds.samples[i] for i in keep):  # ~30 us per 32x32 image
         try:
-            a = np.asarray(ds.loader(path))  # PIL, as RGB
+            x.append(np.asarray(ds.loader(path)))  # PIL, as RGB
         except (OSError, SyntaxError, ValueError) as e:  # unreadable, truncated, a broken PNG
             raise UserError(f'cannot decode {path}: {e}')
-        if a.shape != (32, 32, 3):
-            raise UserError(f'{path} is {a.shape[1]}x{a.shape[0]} px; CIFAR images are 32x32')
-        return a
-
-    with ThreadPoolExecutor(os.cpu_count()) as pool:  # PIL releases the GIL while it decodes
-        x = np.stack(list(pool.map(decode, [ds.samples[i][0] for i in keep])))
-    return torch.from_numpy(x).permute(0, 3, 1, 2).contiguous(), labels[keep]
+        if x[-1].shape != (32, 32, 3):
+            raise UserError(f'{path} is {x[-1].shape[1]}x{x[-1].shape[0]} px; CIFAR images are 32x32')
+    return torch.from_numpy(np.stack(x)).permute(0, 3, 1, 2).contiguous(), labels[keep]
 
 
 def balanced_subset(labels, n, num_classes):
@@ -203,7 +204,6 @@ def balanced_subset(labels, n, num_classes):
     return torch.cat(picked).sort().values
 
 
-# ----------------------------------------------------------------------------- Models
 def resnet(name, num_classes):
     """resnet20: He et al. 2016 Sec. 4.2, 3x3 conv to 16, 3 stages of 3 BasicBlocks (16/32/64 channels at
     32/16/8 px), pool, linear: 0.27M params. resnet18: torchvision's with the CIFAR stem (3x3, stride 1, no pool)."""
@@ -253,22 +253,35 @@ def build_model(name, num_classes, model_kw=None, img_size=32):
 
 def load_weights(model, path, finetune=False):
     """Load strictly our last.pt ('model'), a timm or locuslab file ('state_dict' or bare; 'module.', '_orig_mod.'
-    stripped; locuslab keys converted) or an official JAX .npz (ViT, Mixer). finetune=True: issue 15."""
-    if finetune:
-        raise UserError('fine-tuning from other weights is not supported yet')
+    stripped; locuslab keys converted) or an official JAX .npz (ViT, Mixer). finetune=True also takes weights
+    trained on other classes or at another resolution: the head is replaced, a ViT's pos_embed resampled."""
     if str(path).endswith('.npz'):  # official JAX weights: a ViT or an MLP-Mixer
         try:
             sd = (vit if isinstance(model, vit.VisionTransformer) else mixer).load_npz(path)
         except Exception as e:  # a missing file, numpy's, zip's or the converter's errors: "unreadable"
             raise UserError(f'cannot read {path}: {type(e).__name__}: {one_line(e)}')
     else:
-        ckpt = read_checkpoint(path, '--checkpoint')
+        ckpt = read_checkpoint(path, 'weights')
         sd = ckpt.get('model', ckpt.get('state_dict', ckpt)) if isinstance(ckpt, dict) else None
         if not isinstance(sd, dict) or not all(torch.is_tensor(v) for v in sd.values()):
             raise UserError(f'{path} holds no state_dict (under "model", "state_dict" or bare)')
         for prefix in ('module.', '_orig_mod.'):
             consume_prefix_in_state_dict_if_present(sd, prefix)
         sd = convmixer.from_locuslab(sd) if isinstance(model, convmixer.ConvMixer) else sd
+    own = model.state_dict()
+    if finetune:  # the classifier (the last Linear: head, fc) starts at zero (ViT paper Sec. 3.2) for new classes
+        head = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+        if any(k not in sd or sd[k].shape != own[k].shape for k in (f'{head}.weight', f'{head}.bias')):
+            sd.update({k: torch.zeros_like(own[k]) for k in (f'{head}.weight', f'{head}.bias')})  # (or headless)
+        if isinstance(model, vit.VisionTransformer) and 'pos_embed' in sd:  # Sec. 3.2: 2-D interpolation
+            try:
+                sd['pos_embed'] = vit.resample_pos_embed(sd['pos_embed'], model.grid, model.num_prefix_tokens)
+            except ValueError as e:  # e.g. a class token in one and not in the other
+                raise UserError(f'{path}: {e}')
+        k = 'blocks.0.mlp_tokens.fc1.weight'  # (D_S, S): the token-mixing MLP is tied to the token count S
+        if isinstance(model, mixer.MlpMixer) and k in sd and sd[k].shape[1] != own[k].shape[1]:
+            raise UserError(f'{path} is a Mixer of {sd[k].shape[1]} tokens, this one has {own[k].shape[1]}: its '
+                            'token-mixing MLP is tied to the token count; pick --img-size / patch_size to match')
     try:
         model.load_state_dict(sd)
     except RuntimeError as e:  # torch names the missing and unexpected keys and both shapes
@@ -279,14 +292,17 @@ def read_checkpoint(path, flag):
     if not os.path.isfile(path):
         raise UserError(f'{flag} {path}: no such file')
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):  # timm's checkpoints hold their args
+        with torch.serialization.safe_globals([Namespace]):  # timm's checkpoints hold their args
             return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # zip, pickle, OS or Runtime errors: all mean "unreadable"
         raise UserError(f'{flag} {path} is not a readable checkpoint ({type(e).__name__}: {one_line(e)})')
 
 
-# ----------------------------------------------------------------------------- Schedule, run folder, eval
-def lr_at(t, epochs, lr):  # locuslab's one cycle at t epochs (fractional), its integer breakpoints E*2//5, E*4//5
+def lr_at(t, epochs, lr, recipe='locuslab'):
+    """The LR at t epochs: locuslab's one cycle (integer breakpoints); finetune: vit_jax's warm-up x cosine."""
+    if recipe == 'finetune':
+        warm = WARMUP * epochs
+        return lr * min(1.0, t / warm) * 0.5 * (1 + math.cos(math.pi * min(max((t - warm) / (epochs - warm), 0), 1)))
     return float(np.interp(t, [0, epochs * 2 // 5, epochs * 4 // 5, epochs], [0, lr, lr / 20, 0]))
 
 
@@ -341,15 +357,20 @@ def fmt_time(s):
     return f'{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}' if s >= 3600 else f'{s // 60}:{s % 60:02d}'
 
 
+def resize(x, img_size):  # (B, 3, 32, 32) -> (B, 3, img_size, img_size), bilinear, on the device
+    return x if x.shape[-1] == img_size else F.interpolate(x, size=img_size, mode='bilinear', antialias=False)
+
+
 @torch.no_grad()
-def evaluate(model, x_u8, y, mean, std, batch_size=1024, rank=0, world=1, autocast=None, channels_last=False):
+def evaluate(model, x_u8, y, mean, std, batch_size=1024, rank=0, world=1, autocast=None, channels_last=False,
+             img_size=32):
     """Mean loss and top-1/top-5 accuracy (%) on uint8 images, exact under DDP: rank r takes the images
     [r*N/W, (r+1)*N/W) and the sums are all-reduced (no padding, no duplicates)."""
     model.eval()
     lo, hi = len(y) * rank // world, len(y) * (rank + 1) // world
     sums = torch.zeros(4, dtype=torch.float64, device=x_u8.device)  # loss, top-1, top-5, images
     for s in range(lo, hi, batch_size):
-        xb, yb = normalize(x_u8[s:min(s + batch_size, hi)], mean, std), y[s:min(s + batch_size, hi)]
+        xb, yb = resize(normalize(x_u8[s:min(s + batch_size, hi)], mean, std), img_size), y[s:min(s + batch_size, hi)]
         with autocast or nullcontext():
             out = model(xb.contiguous(memory_format=torch.channels_last) if channels_last else xb).float()
         hits = out.topk(min(5, out.shape[1]), dim=1).indices == yb[:, None]
@@ -362,13 +383,6 @@ def evaluate(model, x_u8, y, mean, std, batch_size=1024, rank=0, world=1, autoca
     return {'loss': loss / n, 'top1': 100 * top1 / n, 'top5': 100 * top5 / n, 'correct': int(top1), 'n': int(n)}
 
 
-def train_row(epoch, step, lr, sums, seconds, images, t_start):
-    """The metrics.jsonl row of the steps since the previous one; sums = (loss sum, correct, count)."""
-    loss, correct, count = sums.tolist()
-    return {'kind': 'train', 'epoch': epoch, 'step': step, 'lr': lr, 'loss': loss / count,
-            'acc': 100 * correct / count, 'img_per_s': images / seconds, 'elapsed_s': time.time() - t_start}
-
-
 def check_finite(first_bad, steps, saved):
     """Stop on divergence. first_bad: the first step with a non-finite loss, or NO_STEP (reading it syncs)."""
     if (bad := int(first_bad)) != NO_STEP:
@@ -378,12 +392,10 @@ def check_finite(first_bad, steps, saved):
                         'clip with --clip-grad')
 
 
-# -----------------------------------------------------------------------------
 def main(argv=None):
     args, t_start = get_args(argv), time.time()
-    # --- setup: torchrun's environment, device, precision --------------------------------------------
-    rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (('RANK', 0), ('WORLD_SIZE', 1),
-                                                                       ('LOCAL_RANK', 0)))
+    rank, local_rank = (int(os.environ.get(k, 0)) for k in ('RANK', 'LOCAL_RANK'))  # torchrun's environment
+    world = int(os.environ.get('WORLD_SIZE', 1))
     master, ddp, use_cuda = rank == 0, world > 1, torch.cuda.is_available()
     device = torch.device('cuda', local_rank) if use_cuda else torch.device('cpu')
     if use_cuda:
@@ -394,17 +406,15 @@ def main(argv=None):
     batch, amp = args.batch_size // world, args.amp if args.amp != 'auto' else ('bf16' if use_cuda else 'off')
     autocast = torch.autocast(device.type, {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(amp), amp != 'off')
     log = print if master else (lambda *a, **k: None)
-    # --- model (before the data: a bad name fails at once), run folder, weights -------------------
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    raw = build_model(args.model, NUM_CLASSES[args.dataset], parse_model_kw(args.model_kw))
-    if args.eval_only or args.resume:
-        load_weights(raw, args.checkpoint or args.resume)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank; the model first: a bad name fails at once
+    raw = build_model(args.model, NUM_CLASSES[args.dataset], parse_model_kw(args.model_kw), args.img_size)
+    if weights := args.checkpoint or args.resume or args.pretrained:  # (--checkpoint: --eval-only)
+        load_weights(raw, weights, finetune=bool(args.pretrained))
     ckpt = read_checkpoint(args.resume, '--resume') if args.resume else None  # optimizer, scaler, history
     out_dir = prepare_out(args) if master and not args.eval_only else Path(args.out)
     raw.to(device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
     if ddp:
         dist.init_process_group('nccl' if use_cuda else 'gloo')
-    # --- data: decoded once, whole, onto the device as uint8 -----------------------------------------
     if ddp and not master:
         dist.barrier()  # rank 0 downloads (if needed) before the others look
     test_x, test_y = (t.to(device) for t in load_cifar(args.data, args.dataset, False, args.test_subset))
@@ -412,11 +422,12 @@ def main(argv=None):
         train_x, train_y = (t.to(device) for t in load_cifar(args.data, args.dataset, True, args.train_subset))
     if ddp and master:
         dist.barrier()
-    mean, std = (torch.tensor(v[args.dataset], device=device).view(1, 3, 1, 1) for v in (MEAN, STD))
+    norm = ((0.5,) * 3,) * 2 if args.recipe == 'finetune' else (MEAN[args.dataset], STD[args.dataset])
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in norm)
     eval_model = torch.compile(raw) if args.compile else raw  # not DDP: the ranks see different counts
     if args.eval_only:
         r = evaluate(eval_model, test_x, test_y, mean, std, args.eval_batch_size, rank, world, autocast,
-                     args.channels_last)
+                     args.channels_last, args.img_size)
         log(f'eval | {args.checkpoint} | {args.model} on {args.dataset} | test loss {r["loss"]:.4f} acc '
             f'{r["top1"]:.2f}% ({r["correct"]}/{r["n"]}) top-5 {r["top5"]:.2f}% | world {world}', flush=True)
         if ddp:
@@ -426,13 +437,12 @@ def main(argv=None):
     if len(train_y) < args.batch_size:
         raise UserError(f'the training set has {len(train_y)} images, fewer than --batch-size {args.batch_size}')
     steps = len(train_y) // args.batch_size  # the last partial batch is dropped (module docstring)
-    augment = make_augment(aug=args.aug, scale=args.scale, randaug_n=args.randaug_n, randaug_m=args.randaug_m,
-                           jitter=args.jitter, reprob=args.reprob, mean=MEAN[args.dataset], std=STD[args.dataset],
-                           device=device, seed=args.seed)
-    # --- optimizer, loss scaling, DDP, resume ----------------------------------------------------------
-    adamw = dict(lr=args.lr, weight_decay=args.wd)
-    opt = SAM(raw.parameters(), torch.optim.AdamW, rho=args.rho, adaptive=args.adaptive, **adamw) if args.sam else \
-        torch.optim.AdamW(raw.parameters(), **adamw)
+    aug_kw = {k: getattr(args, k) for k in ('aug', 'scale', 'randaug_n', 'randaug_m', 'jitter', 'reprob', 'seed')}
+    augment = make_augment(**aug_kw, mean=norm[0], std=norm[1], device=device)
+    base, kw = (torch.optim.SGD, dict(momentum=0.9)) if args.recipe == 'finetune' else (torch.optim.AdamW, {})
+    kw.update(lr=args.lr, weight_decay=args.wd)
+    opt = SAM(raw.parameters(), base, rho=args.rho, adaptive=args.adaptive, **kw) if args.sam else \
+        base(raw.parameters(), **kw)
     scaler = torch.amp.GradScaler(device.type, enabled=amp == 'fp16')  # bf16 and fp32 need no scaling
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     model = nn.parallel.DistributedDataParallel(raw, device_ids=[local_rank] if use_cuda else None) if ddp else raw
@@ -453,14 +463,22 @@ def main(argv=None):
         log(f'resumed {args.resume} at epoch {start_epoch}, step {step}; changed: {", ".join(changed) or "nothing"}')
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in raw.parameters()):,} params) on '
-        f'{args.dataset}: {len(train_y):,} train / {len(test_y):,} test | {args.epochs} epochs x {steps} steps of '
-        f'{args.batch_size} ({world} x {batch}) | lr {args.lr} wd {args.wd}{f" | SAM rho {args.rho}" * args.sam} | '
-        f'aug {args.aug} | amp {amp} | {device}')
-    # --- training loop --------------------------------------------------------------------------------
+        f'{args.dataset}: {len(train_y):,} train / {len(test_y):,} test at {args.img_size} px | {args.epochs} epochs '
+        f'x {steps} steps of {args.batch_size} ({world} x {batch}) | {base.__name__} lr {args.lr} wd {args.wd}'
+        f'{f" | SAM rho {args.rho}" * args.sam}{f" | PGD-{args.adv_steps} eps {args.adv_eps:g}/255" * bool(args.adv)}'
+        f' | aug {args.aug} | amp {amp} | {device}')
     last, epoch, saved = out_dir / 'last.pt', start_epoch, (args.resume, start_epoch)  # saved: the last good one
     first_bad = torch.full((), NO_STEP, device=device)  # first non-finite loss: kept on the device, no sync
     best = max((r['top1'] for r in history if r['kind'] == 'eval'), default=0.0)
     t_loop = time.time()
+
+    def add_train_row(i):  # metrics.jsonl: steps row_start..i of this epoch (sums[0]), once they are all finite
+        check_finite(first_bad, steps, saved)
+        loss_sum, correct, count = sums[0].tolist()
+        img_per_s = (i - row_start) * args.batch_size / (time.time() - t_row)
+        history.append({'kind': 'train', 'epoch': epoch + 1, 'step': step, 'lr': lr, 'loss': loss_sum / count,
+                        'acc': 100 * correct / count, 'img_per_s': img_per_s, 'elapsed_s': time.time() - t_start})
+
     try:
         for epoch in range(start_epoch, args.epochs):
             # Every draw of this epoch comes from (seed, epoch, rank): an exact resume at an epoch boundary, and
@@ -472,11 +490,15 @@ def main(argv=None):
             sums = torch.zeros(2, 3, dtype=torch.float64, device=device)  # (since the last row, epoch) x
             model.train()                                                  # (loss sum, correct, images)
             for i in range(steps):
-                lr = lr_at(epoch + (i + 1) / steps, args.epochs, args.lr)
+                lr = lr_at(epoch + (i + 1) / steps, args.epochs, args.lr, args.recipe)
                 for group in opt.param_groups:
                     group['lr'] = lr
                 idx = perm[i * args.batch_size + rank * batch:i * args.batch_size + (rank + 1) * batch]
-                x, y = augment(train_x[idx]), train_y[idx]
+                x, y = resize(augment(train_x[idx]), args.img_size), train_y[idx]
+                if args.adv:  # PGD on [0, 1] pixels (normalised inside), made at w in eval mode: no BatchNorm update
+                    with autocast:
+                        x = (pgd(eval_model, x * std + mean, y, args.adv_eps / 255, args.adv_alpha / 255,
+                                 args.adv_steps, normalize=lambda v: (v - mean) / std) - mean) / std
                 x = x.contiguous(memory_format=torch.channels_last) if args.channels_last else x
                 # SAM (Foret et al. Alg. 1, sam.py): eps-hat from this rank's own batch (m-sharpness), so
                 # under DDP the first gradient is not all-reduced; BatchNorm statistics from that pass only.
@@ -494,7 +516,7 @@ def main(argv=None):
                 if args.clip_grad > 0:
                     scaler.unscale_(opt)
                     nn.utils.clip_grad_norm_(raw.parameters(), args.clip_grad)
-                scaler.step(opt)  # SAM: w restored from its copy, then the AdamW step with g_SAM
+                scaler.step(opt)  # SAM: w restored from its copy, then the base step with g_SAM
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
                 step += 1
@@ -504,26 +526,21 @@ def main(argv=None):
                 sums[:, 2] += len(y)
                 if args.log_every and (i + 1) % args.log_every == 0 and i + 1 < steps:
                     if master:  # (rank 0's images: no collective mid-epoch)
-                        check_finite(first_bad, steps, saved)  # the host sync, every N steps
-                        history.append(train_row(epoch + 1, step, lr, sums[0], time.time() - t_row,
-                                                 (i + 1 - row_start) * args.batch_size, t_start))
+                        add_train_row(i + 1)  # (reading first_bad is the host sync, every N steps)
                         save_atomic(out_dir / 'metrics.jsonl', history)
                         eta = (time.time() - t_loop) / (step - start_epoch * steps) * (args.epochs * steps - step)
                         print(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
                               f'lr {lr:.2e} | {history[-1]["img_per_s"]:,.0f} img/s | eta {fmt_time(eta)}', flush=True)
                     sums[0], t_row, row_start = 0, time.time(), i + 1  # on every rank: the next row's window
-            # --- end of epoch: all ranks' statistics, divergence, exact eval, checkpoint ---------------
             if ddp:
                 dist.all_reduce(sums)
                 dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
-            check_finite(first_bad, steps, saved)
-            history.append(train_row(epoch + 1, step, lr, sums[0], time.time() - t_row,
-                                     (steps - row_start) * args.batch_size, t_start))
+            add_train_row(steps)
             if ddp:  # evaluate (and save) exactly rank 0's BatchNorm statistics on every rank
                 for buf in raw.buffers():
                     dist.broadcast(buf, 0)
             r = evaluate(eval_model, test_x, test_y, mean, std, args.eval_batch_size, rank, world, autocast,
-                         args.channels_last)
+                         args.channels_last, args.img_size)
             history.append({'kind': 'eval', 'epoch': epoch + 1, 'step': step, **r, 'elapsed_s': time.time() - t_start})
             best, (loss_sum, correct, count) = max(best, r['top1']), sums[1].tolist()
             eta = (time.time() - t_loop) / (step - start_epoch * steps) * (args.epochs * steps - step)
@@ -533,10 +550,9 @@ def main(argv=None):
             if master:  # last.pt first: it holds the history the other two are rebuilt from
                 save_atomic(last, {'model': raw.state_dict(), 'optimizer': opt.state_dict(), 'history': history,
                                    'scaler': scaler.state_dict(), 'epoch': epoch + 1, 'step': step, 'args': run_args})
-            saved = (last, epoch + 1)
-            if master:
                 save_atomic(out_dir / 'metrics.jsonl', history)
                 save_atomic(out_dir / 'args.json', run_args)
+            saved = (last, epoch + 1)
     except KeyboardInterrupt:
         kept = f'the last checkpoint is {saved[0]} (epoch {saved[1]}); continue with --resume {saved[0]}'
         log(f'train_cifar.py: interrupted in epoch {epoch + 1}; {kept if saved[0] else "no checkpoint was saved"}',

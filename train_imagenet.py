@@ -1,14 +1,11 @@
 """ImageNet-1k training for ViT, MLP-Mixer, ConvMixer and the ResNet baselines, with DDP, AMP and SAM.
 
-A recipe (RECIPES) fills the flags left unset; with --resume they come from the run instead.
-  --recipe sam        Chen, Hsieh & Gong, "When Vision Transformers Outperform ResNets without Pretraining or
-                      Strong Data Augmentations" (ICLR 2022): Inception crop + flip, AdamW, peak LR 3e-3 at batch
-                      4096, wd 0.3, 10k warmup steps then linear decay, 300 epochs, clipping 1.0; add --sam.
-                      Paper: ViT-B/16 74.6 -> 79.9 and Mixer-B/16 66.4 -> 77.4 top-1 with SAM.
-  --recipe convmixer  Trockman & Kolter, "Patches Are All You Need?" (the timm fork's command, reference.md).
+A recipe (RECIPES: sam, convmixer or finetune, sources cited there) fills every flag left unset; with --resume
+the run's own flags do.
 
     torchrun --nproc_per_node 8 train_imagenet.py --data /imagenet --model mixer_b16 --sam --rho 0.05
     torchrun --nproc_per_node 8 train_imagenet.py --resume runs/imagenet/mixer_b16_sam/last.pt
+    torchrun --nproc_per_node 8 train_imagenet.py --data /imagenet --recipe finetune --pretrained ViT-B_16.npz
     python train_imagenet.py --data /imagenet --eval-only --checkpoint ViT-B_16.npz --model vit_b16
 
 --batch-size is the GLOBAL batch of one optimizer step: processes x --accum-steps micro-batches.
@@ -16,6 +13,7 @@ A recipe (RECIPES) fills the flags left unset; with --resume they come from the 
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -48,57 +46,66 @@ class UserError(Exception):
 
 # -----------------------------------------------------------------------------
 # Arguments: default None, then filled from the run being resumed (or evaluated), then from the recipe.
-RECIPES = {
-    # Chen, Hsieh & Gong 2021, Sec. 3 and appendix (settings as reused in the GSAM paper).
-    'sam': dict(epochs=300, batch_size=4096, lr=3e-3, lr_batch=4096, opt_eps=1e-8, wd=0.3, sched='linear',
-                warmup_steps=10_000, clip_grad=1.0, label_smoothing=0.0, randaug_n=0, mixup=0.0, cutmix=0.0,
-                reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear'),
-    # locuslab/convmixer README (timm fork): --opt adamw --sched onecycle --lr 0.01 --opt-eps 1e-3
-    # --aa rand-m9-mstd0.5-inc1 --mixup 0.5 --cutmix 0.5 --reprob 0.25 --clip-grad 1.0, batch 64 x 10
-    # GPUs; timm's implicit wd 2e-5 and smoothing 0.1; timm's ConvMixer eval cfg: crop_pct 0.96, bicubic.
+RECIPES = {  # completed below with BASE_RECIPE's values where a recipe sets none
+    # Chen, Hsieh & Gong 2021, Sec. 3 and appendix (as reused in the GSAM paper); Inception crop + flip, clipping 1.
+    'sam': dict(epochs=300, batch_size=4096, lr=3e-3, lr_batch=4096, wd=0.3, sched='linear', warmup_steps=10_000),
+    # locuslab/convmixer README's timm command line (--aa rand-m9-mstd0.5-inc1, batch 64 x 10 GPUs); timm's
+    # implicit wd 2e-5 and smoothing 0.1; timm's ConvMixer eval cfg (crop_pct 0.96, bicubic).
     'convmixer': dict(epochs=150, batch_size=640, lr=0.01, lr_batch=640, opt_eps=1e-3, wd=2e-5, sched='onecycle',
-                      warmup_steps=0, clip_grad=1.0, label_smoothing=0.1, randaug_n=2, mixup=0.5, cutmix=0.5,
-                      reprob=0.25, norm='imagenet', crop_pct=0.96, eval_interp='bicubic'),
+                      warmup_steps=0, label_smoothing=0.1, randaug_n=2, mixup=0.5, cutmix=0.5, reprob=0.25,
+                      norm='imagenet', crop_pct=0.96, eval_interp='bicubic'),
+    # Dosovitskiy et al. (ICLR 2021) App. B.1.1 (lr from its Table 4 grid); vit_jax configs/common.py (20k steps =
+    # 8 epochs); input_pipeline.py: Inception crop, area_range (0.05, 1), + flip. Deviation: vit_jax squashes a
+    # test image to 384 x 384; here the shorter side goes to 384, then a centre crop.
+    'finetune': dict(epochs=8, batch_size=512, lr=0.03, lr_batch=512, opt='sgd', wd=0.0, sched='cosine',
+                     warmup_steps=500, img_size=384, crop_min=0.05, crop_pct=1.0),
 }
-DEFAULTS = dict(model='vit_b16', model_kw=[], img_size=224, randaug_m=9.0, accum_steps=1, sam=False, rho=0.05,
-                adaptive=False, amp='auto', seed=0, log_every=50, save_every=0)  # the same in both recipes
+BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_min=0.08, label_smoothing=0.0,
+                   randaug_n=0, mixup=0.0, cutmix=0.0, reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear')
+RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
+DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=9.0, accum_steps=1, sam=False, rho=0.05, adaptive=False,
+                amp='auto', seed=0, log_every=50, save_every=0, synthetic=False)  # the same in every recipe
 RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
-POSITIVE = ['epochs', 'batch_size', 'accum_steps', 'lr', 'lr_batch', 'opt_eps', 'img_size', 'crop_pct',
+PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
+POSITIVE = ['epochs', 'batch_size', 'accum_steps', 'lr', 'lr_batch', 'opt_eps', 'img_size', 'crop_min', 'crop_pct',
             'eval_batch_size']
 NON_NEGATIVE = ['workers', 'warmup_steps', 'wd', 'clip_grad', 'rho', 'label_smoothing', 'randaug_n', 'randaug_m',
                 'mixup', 'cutmix', 'reprob', 'log_every', 'save_every', 'max_steps', 'seed']
-AT_MOST = dict(crop_pct=1, label_smoothing=1, reprob=1, randaug_m=10)
+AT_MOST = dict(crop_min=1, crop_pct=1, label_smoothing=1, reprob=1, randaug_m=10)
 
 
 def flag(p, name, help, **kw):
     """p.add_argument, with the default (or each recipe's) appended to the help."""
     key = name[2:].replace('-', '_')
-    if key in DEFAULTS or key in RECIPES['sam']:
-        help += f' (default {DEFAULTS[key]})' if key in DEFAULTS else ' [' + ', '.join(
-            f'{r}: {RECIPES[r][key]}' for r in RECIPES) + ']'
+    if key in DEFAULTS:
+        help += f' (default {DEFAULTS[key]})'
+    elif key in RECIPES['sam']:
+        help += ' [' + ', '.join(f'{r}: {RECIPES[r][key]}' for r in RECIPES) + ']'
     p.add_argument(name, help=help, **kw)
 
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     a = functools.partial(flag, p)
-    a('--recipe', 'defaults: sam (Chen et al. 2021; the default) or convmixer', choices=list(RECIPES))
+    a('--recipe', 'sam (the default), convmixer or finetune: the sources are cited in RECIPES', choices=list(RECIPES))
     a('--data', 'ImageNet root: train/<wnid>/*.JPEG and val/<wnid>/*.JPEG', metavar='DIR')
+    a('--synthetic', 'random images instead of --data: throughput only', action='store_true', default=None)
     a('--img-size', 'training and evaluation resolution (px)', type=int)
     a('--workers', 'data-loader processes per GPU (default 8)', type=int, default=8)
-    a('--norm', 'inputs: imagenet mean/std (ResNets, ConvMixer) or jax = (x - 0.5) / 0.5 (the official ViT/Mixer '
-      '.npz and timm ports of them)', choices=list(MEANS))
+    a('--norm', 'imagenet mean/std (ResNets, ConvMixer) or jax: (x - 0.5) / 0.5 (ViT/Mixer .npz)', choices=list(MEANS))
+    a('--crop-min', 'Inception crop: the smallest crop, as a fraction of the image area', type=float)
     a('--crop-pct', 'evaluation: resize to img_size / crop_pct, centre-crop img_size', type=float)
     a('--eval-interp', 'evaluation resize filter', choices=['bilinear', 'bicubic'])
     a('--randaug-n', 'RandAugment ops per image (0 = off)', type=int)
-    a('--randaug-m', "RandAugment magnitude on timm's 0-10 scale, drawn per image with std 0.5", type=float)
+    a('--randaug-m', "RandAugment magnitude on timm's 0-10 scale", type=float)
     a('--mixup', 'mixup Beta(alpha, alpha), 0 = off', type=float)
     a('--cutmix', 'cutmix Beta(alpha, alpha), 0 = off; with mixup on too, one of the two per batch', type=float)
     a('--reprob', "random-erasing probability per image (timm's 'pixel' mode)", type=float)
     a('--label-smoothing', 'label smoothing of the cross-entropy', type=float)
     a('--model', 'a config of vit.py, mixer.py, convmixer.py, or resnet50/101/152')
     a('--model-kw', 'constructor overrides, e.g. depth=2 dim=64 (Python literals)', nargs='*', metavar='K=V')
+    a('--pretrained', 'fine-tune from these weights: new head, ViT pos_embed resampled', metavar='PATH')
     a('--channels-last', 'NHWC memory format (faster convs on GPUs)', action='store_true')
     a('--compile', 'torch.compile the model', action='store_true')
     a('--epochs', 'training epochs', type=int)
@@ -106,62 +113,64 @@ def get_args(argv=None):
     a('--accum-steps', 'gradient-accumulation micro-batches per optimizer step', type=int)
     a('--lr', 'peak learning rate at a global batch of --lr-batch', type=float)
     a('--lr-batch', 'batch at which --lr holds; it scales linearly with --batch-size (Goyal et al.)', type=int)
-    a('--opt-eps', 'AdamW epsilon (betas 0.9, 0.999)', type=float)
-    a('--wd', 'AdamW decoupled weight decay (matrices and kernels only)', type=float)
-    a('--sched', "linear: warmup, then linear decay to 0; onecycle: locuslab's np.interp 0 -> lr at epoch "
-      'E*2//5 -> lr/20 at E*4//5 -> 0 at E', choices=['linear', 'onecycle'])
-    a('--warmup-steps', 'linear warmup, in optimizer steps (sched linear)', type=int)
+    a('--opt', 'adamw (betas 0.9, 0.999) or sgd (momentum 0.9)', choices=['adamw', 'sgd'])
+    a('--opt-eps', 'AdamW epsilon', type=float)
+    a('--wd', 'weight decay of matrices and kernels only (AdamW: decoupled; SGD: L2)', type=float)
+    a('--sched', "warmup, then linear or cosine decay to 0; onecycle: locuslab's",
+      choices=['linear', 'cosine', 'onecycle'])
+    a('--warmup-steps', 'linear warmup, in optimizer steps (linear, cosine)', type=int)
     a('--clip-grad', 'clip the global gradient norm at this value (0 = off)', type=float)
     a('--sam', 'Sharpness-Aware Minimization (Foret et al. 2020)', action=argparse.BooleanOptionalAction)
-    a('--rho', 'SAM radius; Chen et al. tune it per model (their appendix; not verified here)', type=float)
+    a('--rho', 'SAM radius; Chen et al. tune it per model (their appendix)', type=float)
     a('--adaptive', 'ASAM (Kwon et al. 2021)', action=argparse.BooleanOptionalAction)
     a('--amp', 'autocast: auto = bf16 where the GPU has it, else off; fp16 adds a GradScaler',
       choices=['auto', 'bf16', 'fp16', 'off'])
     a('--seed', 'seed of the initial weights, data order and augmentation', type=int)
-    a('--out', "last.pt, metrics.jsonl, args.json go here (default: the --resume file's folder, else "
-      'runs/imagenet/<model>[_sam])', metavar='DIR')
+    a('--out', "run folder (default: the --resume file's folder, else runs/imagenet/<model>[_sam])", metavar='DIR')
     a('--overwrite', 'let a new run replace the run already in --out', action='store_true')
     a('--save-every', 'also save last.pt every N optimizer steps; 0 = at epoch ends only', type=int)
     a('--resume', 'continue the run that wrote this last.pt (mid-epoch if saved there)', metavar='PATH')
-    a('--eval-only', 'evaluate --checkpoint on val and exit', action='store_true')
-    a('--checkpoint', 'for --eval-only: our last.pt (the model and input settings then come from it), a timm '
-      'state_dict, an official .npz, a locuslab .pth.tar or a torchvision ResNet', metavar='PATH')
+    a('--eval-only', 'evaluate --checkpoint (or --resume) on val and exit', action='store_true')
+    a('--checkpoint', 'for --eval-only: our last.pt, a timm/torchvision state_dict, .npz or .pth.tar', metavar='PATH')
     a('--eval-batch-size', 'evaluation batch per process (default 256)', type=int, default=256)
     a('--max-steps', 'stop after this many optimizer steps in all (0 = off)', type=int, default=0)
     a('--log-every', 'a progress line every N optimizer steps; 0 = per epoch', type=int)
     args = p.parse_args(argv)
 
+    if args.eval_only and args.resume and not args.checkpoint:  # the weights of one of our runs
+        args.checkpoint, args.resume = args.resume, None
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
-        raise UserError('--eval-only evaluates --checkpoint PATH (not --resume); --checkpoint is for --eval-only')
-    if args.resume and args.overwrite:
-        raise UserError('--resume continues a run; --overwrite would start a new one in its folder')
-    for name, path in (('--resume', args.resume), ('--checkpoint', args.checkpoint)):
-        if path and not os.path.isfile(path):
-            raise UserError(f'{name}: no such file: {path}')
-    run = stored_args(args.resume or args.checkpoint) if args.resume or args.checkpoint else {}
+        raise UserError('--eval-only evaluates --checkpoint PATH (or --resume PATH, not both); --checkpoint is for '
+                        '--eval-only')
+    if args.resume and (args.overwrite or args.pretrained):
+        raise UserError('--resume continues a run; --overwrite or --pretrained would start a new one')
+    for name in ('resume', 'checkpoint', 'pretrained'):
+        if getattr(args, name) and not os.path.isfile(getattr(args, name)):
+            raise UserError(f'--{name}: no such file: {getattr(args, name)}')
+    source = args.resume or args.checkpoint or args.pretrained
+    run = stored_args(source) if source else None
     if args.resume and run is None:
         raise UserError(f'--resume {args.resume} is not a last.pt of train_imagenet.py (to evaluate weights use '
                         '--eval-only --checkpoint)')
-    run = {k: v for k, v in (run or {}).items() if k in (RUN_KEYS if args.resume else EVAL_KEYS)}
+    keys = RUN_KEYS if args.resume else EVAL_KEYS if args.eval_only else PRETRAINED_KEYS
+    run = {k: v for k, v in (run or {}).items() if k in keys}
     recipe = args.recipe or run.get('recipe') or 'sam'
-    for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():
+    for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():  # later ones win
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     for key in POSITIVE + NON_NEGATIVE:  # the value as given: --lr, say, before the batch scaling
-        value, rule = getattr(args, key), '> 0' if key in POSITIVE else '>= 0'
-        ok = value > 0 if key in POSITIVE else value >= 0
-        if not (math.isfinite(value) and ok and value <= AT_MOST.get(key, value)):
-            raise UserError(f'--{key.replace("_", "-")} must be a finite number {rule}'
+        value, positive = getattr(args, key), key in POSITIVE
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0) and value <= AT_MOST.get(key, value)):
+            raise UserError(f'--{key.replace("_", "-")} must be a finite number {"> 0" if positive else ">= 0"}'
                             + (f' and <= {AT_MOST[key]}' if key in AT_MOST else '') + f', got {value}')
-    if not args.data:
-        raise UserError(f'give --data DIR ({LAYOUT})')
+    if not args.data and not args.synthetic:
+        raise UserError(f'give --data DIR ({LAYOUT}), or --synthetic')
     with torch.device('meta'):  # every impossible model shape now, before anything slow (no memory used)
         build_model(args.model, 1000, args.img_size, parse_model_kw(args.model_kw))
     return args
 
 
 # -----------------------------------------------------------------------------
-# Data. Decoding, crop, flip and RandAugment run per image in the loader workers; mixup/cutmix run on
-# the collated batch on the GPU.
+# Data: decoding, crop, flip and RandAugment per image in the loader workers; mixup/cutmix on the batch on the GPU.
 MEANS = {'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
          'jax': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}  # official JAX input pipeline: x / 127.5 - 1
 LAYOUT = ('expected ImageNet-1k in ImageFolder layout: DIR/train/<wnid>/*.JPEG and DIR/val/<wnid>/*.JPEG (the '
@@ -169,25 +178,12 @@ LAYOUT = ('expected ImageNet-1k in ImageFolder layout: DIR/train/<wnid>/*.JPEG a
           'example; the tars come from image-net.org)')
 
 
-class RandAugmentMstd(v2.RandAugment):
-    """timm's rand-m{M}-mstd0.5: the magnitude drawn from N(M, 0.5), clipped to [0, 10], on timm's 0-10 scale
-    (torchvision's bins with 101 of them: bin 10*m). Deviations from timm: one draw per image (timm: per
-    op); torchvision's op set (Identity; timm has Invert and SolarizeAdd, each op applied with p 0.5)."""
-
-    def __init__(self, num_ops, m, fill):
-        super().__init__(num_ops, round(10 * m), num_magnitude_bins=101, interpolation=v2.InterpolationMode.BILINEAR,
-                         fill=fill)
-        self.m = m
-
-    def forward(self, *inputs):
-        self.magnitude = round(10 * min(max(self.m + 0.5 * torch.randn(()).item(), 0.0), 10.0))
-        return super().forward(*inputs)
-
-
 def train_transform(args, mean, std):
-    t = [v2.RandomResizedCrop(args.img_size, scale=(0.08, 1.0), antialias=True), v2.RandomHorizontalFlip()]
-    if args.randaug_n > 0:  # timm fills with the mean pixel
-        t.append(RandAugmentMstd(args.randaug_n, args.randaug_m, fill=[round(255 * m) for m in mean]))
+    t = [v2.RandomResizedCrop(args.img_size, scale=(args.crop_min, 1.0), antialias=True), v2.RandomHorizontalFlip()]
+    if args.randaug_n > 0:  # timm's magnitude m = torchvision's bin 10 m of 101; filled with the mean pixel, as timm.
+        # Deviations from timm's rand-m9-mstd0.5: no N(m, 0.5) jitter of m, and torchvision's op set.
+        t.append(v2.RandAugment(args.randaug_n, round(10 * args.randaug_m), 101, v2.InterpolationMode.BILINEAR,
+                                fill=[round(255 * m) for m in mean]))
     t += [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
     if args.reprob > 0:  # on the normalised image, with N(0, 1) noise: timm's 'pixel' mode
         t.append(v2.RandomErasing(p=args.reprob, value='random'))
@@ -203,7 +199,7 @@ def eval_transform(img_size, crop_pct=0.875, interp='bilinear', norm='jax'):
 
 class ImageFolder(datasets.ImageFolder):
     """torchvision's, but an image PIL cannot decode comes back blank with label -1 - index: an exception in a
-    loader worker reaches the main process inside the worker's traceback, so check() names the file instead."""
+    loader worker reaches the main process inside the worker's traceback, so check_decoded() names the file."""
 
     def __init__(self, root, split, transform, img_size):
         if not os.path.isdir(os.path.join(root, split)):
@@ -220,19 +216,16 @@ class ImageFolder(datasets.ImageFolder):
         except (OSError, ValueError):  # PIL: cannot identify image file, image file is truncated, ...
             return torch.zeros(3, self.img_size, self.img_size), -1 - index
 
-    def check(self, y):
-        if (y < 0).any():  # y is still on the CPU: no host sync
-            raise UserError(f'cannot decode the image {self.samples[-1 - int(y.min())][0]} (corrupt or truncated); '
-                            'replace or delete it')
+
+def check_decoded(y, dataset):
+    if (y < 0).any():  # y is still on the CPU: no host sync
+        raise UserError(f'cannot decode the image {dataset.samples[-1 - int(y.min())][0]} (corrupt or truncated); '
+                        'replace or delete it')
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler that yields whole optimizer steps only, from step `start` of the epoch on.
-
-    Each epoch is one global permutation (seed + epoch) that rank r reads at positions r, r + W, ...
-    (drop_last: no padded repeats), so optimizer step s of ANY world size covers positions s*batch ...
-    (s+1)*batch - 1 of it, and resuming at step s is a slice: nothing seen twice, nothing skipped.
-    """
+    """Whole optimizer steps only, from step `start` of the epoch on. Each epoch is one permutation that rank r
+    reads at r, r + W, ... (drop_last), so step s covers the same images on ANY world size and a resume is a slice."""
 
     def __init__(self, n, num_replicas, rank, seed, per_step):
         super().__init__(range(n), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
@@ -246,10 +239,17 @@ class ResumableSampler(torch.utils.data.DistributedSampler):
         return (self.steps - self.start) * self.per_step
 
 
+def seed_epoch(seed, epoch, rank, start, worker_seeds):
+    """Re-seed every RNG from (seed, epoch, rank, first step): a resume at an epoch boundary draws exactly what
+    the uninterrupted run drew, and every rank draws its own augmentation."""
+    s = int(np.random.SeedSequence([seed, epoch, rank, start]).generate_state(1)[0])
+    torch.manual_seed(s)  # mixup, dropout (and the augmentation with --workers 0)
+    worker_seeds.manual_seed(s)  # the loader workers' augmentation
+
+
 # -----------------------------------------------------------------------------
 # Models: the configs of the three model files, plus torchvision's ResNets (the SAM paper's baselines).
-RESNETS = {'resnet50': torchvision.models.resnet50, 'resnet101': torchvision.models.resnet101,
-           'resnet152': torchvision.models.resnet152}
+RESNETS = {name: getattr(torchvision.models, name) for name in ('resnet50', 'resnet101', 'resnet152')}
 
 
 def parse_model_kw(items):
@@ -306,12 +306,11 @@ def one_line(e, limit=600):
 
 
 def load_weights(model, path, finetune=False):
-    """Load strictly: our last.pt ('model'), a timm state_dict or train checkpoint ('state_dict'), locuslab's
-    ConvMixer .pth.tar (via convmixer.from_locuslab), a torchvision ResNet state_dict, or an official JAX
-    .npz (vit.load_npz / mixer.load_npz); 'module.' and '_orig_mod.' prefixes go. A head for another class
-    count is refused, or with finetune=True the model keeps its own (and a ViT position embedding is
-    resampled to the model's grid). Every failure is one UserError."""
-    what = f'--checkpoint {path} ({type(model).__name__})'
+    """Load strictly: our last.pt, a timm state_dict or train checkpoint, locuslab's ConvMixer .pth.tar, a
+    torchvision ResNet, or an official JAX .npz; 'module.' and '_orig_mod.' prefixes go. A head for another class
+    count is refused, or with finetune replaced by the model's own, which also resamples a ViT position embedding
+    (ViT paper Sec. 3.2). Every failure is one UserError."""
+    what = f'--{"pretrained" if finetune else "checkpoint"} {path} ({type(model).__name__})'
     try:
         if path.endswith('.npz'):
             if not isinstance(model, (vit.VisionTransformer, mixer.MlpMixer)):
@@ -334,6 +333,11 @@ def load_weights(model, path, finetune=False):
             sd[head + '.weight'], sd[head + '.bias'] = mine, own[head + '.bias']
         if finetune and isinstance(model, vit.VisionTransformer):
             sd['pos_embed'] = vit.resample_pos_embed(sd['pos_embed'], model.grid, model.num_prefix_tokens)
+        tokens = 'blocks.0.mlp_tokens.fc1.weight'  # Mixer's W1, (D_S, S): tied to the token count S
+        if finetune and isinstance(model, mixer.MlpMixer) and sd[tokens].shape[1] != own[tokens].shape[1]:
+            raise UserError(f'{what}: a Mixer\'s token-mixing MLP is tied to its token count ({sd[tokens].shape[1]} '
+                            f'in the checkpoint, {own[tokens].shape[1]} at --img-size {model.img_size}); fine-tune it '
+                            'at the resolution it was trained at')
         model.load_state_dict(sd)
     except LOAD_ERRORS as e:
         raise UserError(f'{what}: {type(e).__name__}: {one_line(e)}') from None
@@ -342,8 +346,8 @@ def load_weights(model, path, finetune=False):
 # -----------------------------------------------------------------------------
 # One optimizer step, with gradient accumulation and optionally SAM; the LR schedule; evaluation.
 def accumulate(model, micro, scaler, label_smoothing, amp_dtype):
-    """Backward of each micro-batch's loss / k: the summed gradient is that of the mean loss over the whole
-    batch (exactly so without BatchNorm). Under DDP only the last backward all-reduces."""
+    """Backward of each micro-batch's loss / k: the sum is the gradient of the whole batch's mean loss (exactly so
+    without BatchNorm). Under DDP only the last backward all-reduces."""
     no_sync, total = getattr(model, 'no_sync', None), 0.0  # no_sync: DDP (also through torch.compile)
     for j, (x, y) in enumerate(micro):  # y: class indices, or mixup/cutmix soft targets (B, classes)
         with no_sync() if no_sync is not None and j < len(micro) - 1 else contextlib.nullcontext():
@@ -355,14 +359,9 @@ def accumulate(model, micro, scaler, label_smoothing, amp_dtype):
 
 
 def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothing=0.0, amp_dtype=None):
-    """One optimizer step on a batch split into k = len(micro) micro-batches [(x, y), ...].
-
-    SAM (Foret et al. Alg. 1): the first pass accumulates the clean gradient g over all k micro-batches with
-    no all-reduce at all (first_pass = no_sync: m-sharpness, each replica its own eps-hat, as in the official
-    JAX code), then perturbs ONCE, w <- w + rho g/||g||; the second pass accumulates g_SAM at that point and
-    all-reduces on its last micro-batch; the base step starts from the restored w. Clipping acts on g_SAM,
-    after the second backward. Returns the (first pass's) mean loss.
-    """
+    """One optimizer step on a batch split into micro-batches [(x, y), ...]; returns the (first pass's) mean loss.
+    SAM (Foret et al. Alg. 1): the first pass accumulates g with no all-reduce (m-sharpness: each replica its own
+    eps-hat, as the official JAX code), perturbs once, and the second pass accumulates g_SAM, which is clipped."""
     if sam:
         with first_pass(model):
             loss = accumulate(model, micro, scaler, label_smoothing, amp_dtype)
@@ -374,7 +373,7 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
     if clip_grad > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    scaler.step(optimizer)  # SAM: back to w, then the AdamW step with g_SAM
+    scaler.step(optimizer)  # SAM: back to w, then the base step with g_SAM
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss
@@ -382,11 +381,13 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
 
 def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):
     """The LR of optimizer step `step` (0-based)."""
-    total, E = epochs * steps_per_epoch, epochs
-    if sched == 'linear':  # SAM paper: linear warmup, then linear decay to 0
-        return peak * ((step + 1) / warmup if step < warmup else max(0.0, (total - step) / max(1, total - warmup)))
-    # locuslab/convmixer: np.interp(t, [0, E*2//5, E*4//5, E], [0, lr, lr/20, 0]), t = epoch + (i + 1) / steps
-    return peak * float(np.interp((step + 1) / steps_per_epoch, [0, E * 2 // 5, E * 4 // 5, E], [0, 1, 1 / 20, 0]))
+    if sched == 'onecycle':  # locuslab: np.interp(t, [0, E*2//5, E*4//5, E], [0, lr, lr/20, 0]), t in epochs
+        E = epochs
+        return peak * float(np.interp((step + 1) / steps_per_epoch, [0, E * 2 // 5, E * 4 // 5, E], [0, 1, 1 / 20, 0]))
+    if step < warmup:  # linear (SAM paper), cosine (ViT fine-tuning): linear warmup, then decay to 0
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, epochs * steps_per_epoch - warmup)  # 0 -> 1 over the decay
+    return peak * (1 - t if sched == 'linear' else 0.5 * (1 + math.cos(math.pi * t)))
 
 
 @torch.no_grad()
@@ -395,9 +396,9 @@ def evaluate(model, loader, amp_dtype=None, channels_last=False, distributed=Fal
     was_training, device = model.training, next(model.parameters()).device
     model.eval()
     stats = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, images
+    fmt = torch.channels_last if channels_last else torch.preserve_format
     for x, y in loader:
-        loader.dataset.check(y)
-        fmt = torch.channels_last if channels_last else torch.preserve_format
+        check_decoded(y, loader.dataset)
         x, y = x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(x).float()
@@ -433,11 +434,8 @@ def save_atomic(path, obj):
     """torch.save(obj), or a str, into PATH.tmp, then os.replace: a crash leaves the old file or the new one. A
     failed write (a full disk) removes PATH.tmp, keeps the previous PATH and ends the run with one line."""
     try:
-        with open(path + '.tmp', 'w' if isinstance(obj, str) else 'wb') as f:
-            if isinstance(obj, str):
-                f.write(obj)
-            else:
-                torch.save(obj, f)  # into a file object: a full disk comes back as OSError with its errno
+        with open(path + '.tmp', 'wb') as f:  # torch.save into a file object: a full disk is an OSError with errno
+            f.write(obj.encode()) if isinstance(obj, str) else torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(path + '.tmp', path)
@@ -449,12 +447,16 @@ def save_atomic(path, obj):
             os.remove(path + '.tmp')
 
 
+def jsonl(history):
+    return ''.join(json.dumps(r, allow_nan=False) + '\n' for r in history)
+
+
 def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info):
     """last.pt first: if it cannot be written, nothing of the run has changed. info: vars(args) and more."""
     save_atomic(os.path.join(out, 'last.pt'), dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
                 scaler=scaler.state_dict(), epoch=step // steps_per_epoch, step=step, steps_per_epoch=steps_per_epoch,
                 history=history, args=info))
-    save_atomic(os.path.join(out, 'metrics.jsonl'), ''.join(json.dumps(r, allow_nan=False) + '\n' for r in history))
+    save_atomic(os.path.join(out, 'metrics.jsonl'), jsonl(history))
     save_atomic(os.path.join(out, 'args.json'), json.dumps(info, indent=1))
 
 
@@ -486,7 +488,7 @@ def main(argv=None):
     world, rank, local_rank = (int(os.environ.get(k, d)) for k, d in (('WORLD_SIZE', 1), ('RANK', 0),
                                                                       ('LOCAL_RANK', 0)))
     distributed, master = world > 1, rank == 0
-    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
+    log = functools.partial(print, flush=True) if master else (lambda *a: None)
     device = torch.device('cuda', local_rank) if torch.cuda.is_available() else torch.device('cpu')
     if device.type == 'cuda':
         torch.cuda.set_device(device)
@@ -507,35 +509,40 @@ def main(argv=None):
         dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
 
     # --- data ------------------------------------------------------------------------------------------
-    val_set = ImageFolder(args.data, 'val', eval_transform(args.img_size, args.crop_pct, args.eval_interp, args.norm),
-                          args.img_size)
-    num_classes, loader_kw = len(val_set.classes), dict(num_workers=args.workers, pin_memory=device.type == 'cuda')
+    train_tf = train_transform(args, *MEANS[args.norm])
+    val_tf = eval_transform(args.img_size, args.crop_pct, args.eval_interp, args.norm)
+    if args.synthetic:  # random images of ImageNet's counts (torchvision's FakeData): throughput without data
+        shape = (3, args.img_size, args.img_size)
+        train_set, val_set = (datasets.FakeData(n, shape, 1000, tf) for n, tf in ((1_281_167, train_tf),
+                                                                                   (50_000, val_tf)))
+    else:
+        val_set = ImageFolder(args.data, 'val', val_tf, args.img_size)
+        train_set = None if args.eval_only else ImageFolder(args.data, 'train', train_tf, args.img_size)
+        if train_set is not None and train_set.classes != val_set.classes:
+            raise UserError(f'--data {args.data}: the class folders of train ({len(train_set.classes)}) and val '
+                            f'({len(val_set.classes)}) differ in number or names; {LAYOUT}')
+    num_classes = 1000 if args.synthetic else len(val_set.classes)
+    loader_kw = dict(num_workers=args.workers, pin_memory=device.type == 'cuda')
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.eval_batch_size,
                                              sampler=range(rank, len(val_set), world), **loader_kw)
     if not args.eval_only:
-        train_set = ImageFolder(args.data, 'train', train_transform(args, *MEANS[args.norm]), args.img_size)
-        if train_set.classes != val_set.classes:
-            raise UserError(f'--data {args.data}: the class folders of train ({len(train_set.classes)}) and val '
-                            f'({num_classes}) differ in number or names; {LAYOUT}')
-        per_step = args.batch_size // world  # samples per process per optimizer step
+        per_step, k = args.batch_size // world, args.accum_steps  # images per process per optimizer step
         sampler = ResumableSampler(len(train_set), world, rank, args.seed, per_step)
         if (steps := sampler.steps) == 0:
             raise UserError(f'--batch-size {args.batch_size} is larger than the training set ({len(train_set)} images)')
         worker_seeds = torch.Generator()  # re-seeded each epoch: the workers' augmentation draws
-        train_loader = torch.utils.data.DataLoader(train_set, batch_size=per_step // args.accum_steps, sampler=sampler,
+        train_loader = torch.utils.data.DataLoader(train_set, batch_size=per_step, sampler=sampler,
                                                    generator=worker_seeds, **loader_kw)
         mix = [v2.MixUp(alpha=args.mixup, num_classes=num_classes)] if args.mixup > 0 else []
         mix += [v2.CutMix(alpha=args.cutmix, num_classes=num_classes)] if args.cutmix > 0 else []
-        mix = v2.RandomChoice(mix) if mix else None  # on the collated batch: one of them, p 0.5 each (timm)
+        mix = v2.RandomChoice(mix) if mix else None  # on the batch: one of them, p 0.5 each (timm)
 
-    # --- model -----------------------------------------------------------------------------------------
+    # --- model: trained through DDP; evaluated bare (no collectives: ranks may run unequal eval batches) --------
     torch.manual_seed(args.seed)  # the same initial weights on every rank and world size
     model = build_model(args.model, num_classes, args.img_size, parse_model_kw(args.model_kw))
-    if args.eval_only:
-        load_weights(model, args.checkpoint)
+    if args.checkpoint or args.pretrained:  # (--resume loads its own weights below)
+        load_weights(model, args.checkpoint or args.pretrained, finetune=bool(args.pretrained))
     model.to(device, memory_format=fmt)
-    # Train through DDP; evaluate the bare (compiled) model: no collectives in its forward, so ranks may run
-    # different numbers of evaluation batches.
     eval_model = torch.compile(model) if args.compile else model
     log(f'{args.model}: {sum(p.numel() for p in model.parameters()):,} parameters, {num_classes} classes, '
         f'{args.img_size} px, norm {args.norm}, {world} process(es) on {device.type}, amp {amp}')
@@ -543,22 +550,20 @@ def main(argv=None):
         res = evaluate(eval_model, val_loader, amp_dtype, args.channels_last, distributed)
         log(f'eval {args.checkpoint} | test loss {res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% '
             f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
-        if distributed:
-            dist.barrier()  # leave together: gloo may abort a rank whose peer is still running
-            dist.destroy_process_group()
+        leave(distributed)
         return res
     train_model = DDP(model, device_ids=[local_rank] if device.type == 'cuda' else None) if distributed else model
     train_model = torch.compile(train_model) if args.compile else train_model  # DDP overlaps buckets with backward
 
-    # --- optimizer: AdamW (betas 0.9, 0.999 in both recipes), wrapped by SAM with --sam -------------------
-    # Decay only weight matrices and conv kernels, as timm does (group 1: biases, norms, pos_embed, cls_token).
+    # --- optimizer: AdamW or SGD (SAM-wrapped with --sam); decay only matrices and conv kernels, as timm --------
     groups = [dict(params=[], weight_decay=args.wd), dict(params=[], weight_decay=0.0)]
     for name, p in model.named_parameters():
         groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
     peak_lr = args.lr * args.batch_size / args.lr_batch  # linear scaling rule
-    adamw = dict(lr=peak_lr, betas=(0.9, 0.999), eps=args.opt_eps)
-    optimizer = (SAM(groups, torch.optim.AdamW, rho=args.rho, adaptive=args.adaptive, **adamw) if args.sam
-                 else torch.optim.AdamW(groups, **adamw))
+    base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
+        (torch.optim.SGD, dict(momentum=0.9))
+    optimizer = (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=peak_lr, **base_kw) if args.sam
+                 else base(groups, lr=peak_lr, **base_kw))
     scaler = torch.amp.GradScaler(device.type, enabled=amp == 'fp16')
 
     # --- resume: weights, optimizer, GradScaler, step and history; the RNGs are re-seeded in the loop -------
@@ -585,70 +590,57 @@ def main(argv=None):
         log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
             'epoch)')
         del ckpt
-    info = dict(vars(args), world_size=world, micro_batch=per_step // args.accum_steps, peak_lr=peak_lr,
-                steps_per_epoch=steps, total_steps=args.epochs * steps)
-    log(f'global batch {args.batch_size} = {world} x {args.accum_steps} x {info["micro_batch"]}, peak lr '
-        f'{peak_lr:.3g}, {steps} steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
+    info = dict(vars(args), world_size=world, micro_batch=per_step // k, peak_lr=peak_lr, steps_per_epoch=steps,
+                total_steps=args.epochs * steps)
+    log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {peak_lr:.3g}, {steps} '
+        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
 
-    # --- loop: train; at each epoch's end evaluate and checkpoint ------------------------------------------
+    # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     total, stop = args.epochs * steps, min(args.epochs * steps, args.max_steps or math.inf)
     first_bad = torch.full((), math.inf, device=device)  # the first step with a non-finite loss, kept on the device
-    evals, batches, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], None, time.time(), step
+    evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step
     train_model.train()
     try:
-        while step < stop:
-            epoch = step // steps  # counted from 0 here, from 1 in the logs
-            if batches is None:  # an epoch (or the rest of a resumed one) starts: RNGs from (seed, epoch, rank, step)
-                seed = int(np.random.SeedSequence([args.seed, epoch, rank, step % steps]).generate_state(1)[0])
-                torch.manual_seed(seed)  # mixup, dropout (and the augmentation with --workers 0)
-                worker_seeds.manual_seed(seed)  # the workers' augmentation
-                sampler.set_epoch(epoch)
-                sampler.start = start = step % steps
-                batches = iter(train_loader)
-                t_epoch = t_window = time.time()
-                window, n_window, epoch_loss = torch.zeros((), device=device), 0, 0.0  # loss sum, steps
-            micro = []
-            for _ in range(args.accum_steps):
-                x, y = next(batches)
-                train_set.check(y)
+        for epoch in range(step // steps, math.ceil(stop / steps)):  # counted from 0 here, from 1 in the logs
+            start = step % steps  # > 0: the rest of an epoch saved mid-way
+            seed_epoch(args.seed, epoch, rank, start, worker_seeds)
+            sampler.set_epoch(epoch)
+            sampler.start = start
+            t_epoch = t_window = time.time()
+            window, n_window, epoch_loss = torch.zeros((), device=device), 0, 0.0  # loss sum, steps
+            for x, y in itertools.islice(train_loader, min(stop - step, steps - start)):  # one optimizer step each
+                check_decoded(y, train_set)
                 x, y = x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
-                micro.append(mix(x, y) if mix is not None else (x, y))  # mixup: y -> (B, classes)
-            lr = lr_at(step, peak_lr, args.sched, args.warmup_steps, args.epochs, steps)
-            for group in optimizer.param_groups:
-                group['lr'] = lr
-            loss = train_step(train_model, optimizer, scaler, micro, sam=args.sam, clip_grad=args.clip_grad,
-                              label_smoothing=args.label_smoothing, amp_dtype=amp_dtype)
-            step += 1
-            first_bad = torch.minimum(first_bad, torch.where(loss.isfinite(), math.inf, step))
-            window += loss
-            n_window += 1
-            if (args.log_every and step % args.log_every == 0) or step % steps == 0:
-                check_finite(first_bad, distributed, steps, last, saved)
-                if distributed:
-                    dist.all_reduce(window)
-                seconds = time.time() - t_window
-                history.append(row := dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=window.item() / world
-                                           / n_window, img_per_s=args.batch_size * n_window / seconds,
-                                           elapsed_s=time.time() - t_start))
-                epoch_loss += row['loss'] * n_window
-                eta = (time.time() - t_loop) / (step - step0) * (total - step)  # evaluation time included
-                if step % steps:
-                    log(f'ep {epoch + 1}/{args.epochs} step {step - epoch * steps}/{steps} | loss {row["loss"]:.4f} | '
-                        f'lr {lr:.2e} | {row["img_per_s"]:,.0f} img/s | eta {fmt_time(eta)}')
-                if master and step % steps:  # at the epoch's end save_run writes it
-                    save_atomic(os.path.join(args.out, 'metrics.jsonl'),
-                                ''.join(json.dumps(r, allow_nan=False) + '\n' for r in history))
-                window.zero_()
-                n_window, t_window = 0, time.time()
-            if args.save_every and step % args.save_every == 0 and step % steps:
-                check_finite(first_bad, distributed, steps, last, saved)
-                if master:  # mid-epoch: --resume continues from this step
-                    save_run(args.out, model, optimizer, scaler, step, steps, history, info)
-                saved = step
-            if step % steps:
-                continue
-            # --- the epoch's end: evaluation and checkpoint -------------------------------------------------
-            batches = None
+                x, y = mix(x, y) if mix is not None else (x, y)  # mixup/cutmix: y -> (B, classes)
+                lr = lr_at(step, peak_lr, args.sched, args.warmup_steps, args.epochs, steps)
+                for group in optimizer.param_groups:
+                    group['lr'] = lr
+                loss = train_step(train_model, optimizer, scaler, list(zip(x.chunk(k), y.chunk(k))), sam=args.sam,
+                                  clip_grad=args.clip_grad, label_smoothing=args.label_smoothing, amp_dtype=amp_dtype)
+                step, n_window, window = step + 1, n_window + 1, window + loss
+                first_bad = torch.minimum(first_bad, torch.where(loss.isfinite(), math.inf, step))
+                if (args.log_every and step % args.log_every == 0) or step % steps == 0:  # a train row
+                    check_finite(first_bad, distributed, steps, last, saved)
+                    if distributed:
+                        dist.all_reduce(window)
+                    history.append(row := dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=window.item()
+                                               / world / n_window, img_per_s=args.batch_size * n_window
+                                               / (time.time() - t_window), elapsed_s=time.time() - t_start))
+                    epoch_loss += row['loss'] * n_window
+                    if step % steps:  # (at the epoch's end the epoch line and save_run follow)
+                        log(f'ep {epoch + 1}/{args.epochs} step {step - epoch * steps}/{steps} | loss '
+                            f'{row["loss"]:.4f} | lr {lr:.2e} | {row["img_per_s"]:,.0f} img/s | eta '
+                            f'{fmt_time((time.time() - t_loop) / (step - step0) * (total - step))}')
+                        if master:
+                            save_atomic(os.path.join(args.out, 'metrics.jsonl'), jsonl(history))
+                    window, n_window, t_window = torch.zeros((), device=device), 0, time.time()
+                if args.save_every and step % args.save_every == 0 and step % steps:  # mid-epoch checkpoint
+                    check_finite(first_bad, distributed, steps, last, saved)
+                    if master:
+                        save_run(args.out, model, optimizer, scaler, step, steps, history, info)
+                    saved = step
+            if step % steps:  # --max-steps ended the run mid-epoch
+                break
             if distributed:  # BatchNorm statistics: evaluate rank 0's, the ones the checkpoint holds
                 for b in model.buffers():
                     dist.broadcast(b, 0)
@@ -670,16 +662,19 @@ def main(argv=None):
                   file=sys.stderr)
         sys.exit(130)
 
-    # --- done --------------------------------------------------------------------------------------------
     if step < total:
         log(f'stopped after --max-steps {args.max_steps}; {since_checkpoint(last, saved)}')
     else:
         log(f'done | {args.model} on imagenet | epoch {args.epochs}/{args.epochs} | test acc {evals[-1]["top1"]:.2f}% '
             f'(best {max(r["top1"] for r in evals):.2f}%) | {fmt_time(time.time() - t_start)} wall | {last}')
+    leave(distributed)
+    return evals[-1] if evals else None
+
+
+def leave(distributed):
     if distributed:
         dist.barrier()  # rank 0 may still be writing: leave together (gloo aborts a one-sided teardown)
         dist.destroy_process_group()
-    return evals[-1] if evals else None
 
 
 if __name__ == '__main__':

@@ -29,3 +29,14 @@ def cifar10_dir(tmp_path_factory):
     with tarfile.open(CIFAR_TARBALL) as tar:
         tar.extractall(root, filter='data')
     return root / 'cifar10'
+
+
+@pytest.fixture
+def one_thread():
+    """In-process work on one thread, like the OMP_NUM_THREADS=1 subprocesses: tiny ops gain nothing from a
+    second thread and lose a lot to contention on a shared 2-core machine. Restored afterwards."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -22,13 +22,7 @@ from conftest import REPO
 CPU = torch.device('cpu')
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One thread, as in the other test files (two spin at barriers on 2 shared cores); restored."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
 
 def markdown_tables(text):

@@ -26,12 +26,7 @@ TINY = ['--model', 'vit_ti16', '--model-kw', 'dim=64', 'depth=2', 'heads=2', 'pa
         '--proj-hidden', '256', '--proj-dim', '64', '--linear-epochs', '30', '--log-every', '0']
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
 
 def env(**extra):
@@ -83,7 +78,6 @@ def test_infonce_equals_direct_computation():
     # the symmetrised MoCo loss is ctr(q1, k2) + ctr(q2, k1) of the predictor outputs
     torch.manual_seed(0)
     args = tc.get_args(TINY[:7])
-    tc.resolve_arch(args, None)
     moco = tc.MoCo(tc.build_backbone(args), 8, 32, 0.2)
     x1, x2 = torch.randn(4, 3, 32, 32, generator=g), torch.randn(4, 3, 32, 32, generator=g)
     k1, k2 = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
@@ -106,20 +100,19 @@ def test_identical_views_small_tau_give_zero_loss():
 # theta_q0, the initial weights), with m = MoCo v3's cosine schedule at the end of epoch 1 of 2.
 # With --sam, theta_q1 is the weight after the SAM step (restored, then stepped): updating from the
 # perturbed weights, or once per pass, fails the equality.
-def test_momentum_update_is_exact(cifar10_dir, tmp_path):
+def test_momentum_update_is_exact_and_resume_bit_identical(cifar10_dir, tmp_path):
     m0 = 0.5
     common = ['--data', cifar10_dir, '--train-subset', 32, '--test-subset', 20, '--batch-size', 32, '--epochs', 2,
               '--warmup-epochs', 0, '--lr', 1e-2, '--moco-m', m0, '--stop-after-epoch', 1, *TINY,
               '--pos-embed', 'learned', '--no-freeze-patch-embed']  # every parameter trained
     procs = {name: start(*common, *extra, '--out', tmp_path / name) for name, extra in
-             (('plain', []), ('sam', ['--sam', '--rho', 0.5]))}
+             (('plain', []), ('sam', ['--sam', '--rho', 0.5]), ('full', ['--stop-after-epoch', 0]))}
     m = 1 - 0.5 * (1 + math.cos(math.pi * 1 / 2)) * (1 - m0)  # adjust_moco_momentum(epoch=1, epochs=2)
     args = tc.get_args([str(a) for a in common])
-    tc.resolve_arch(args, None)
     torch.manual_seed(args.seed)
     theta_0 = tc.MoCo(tc.build_backbone(args), 64, 256, 0.2).base_encoder.state_dict()
-    for name, proc in procs.items():
-        finish(proc)
+    for name in ('plain', 'sam'):
+        finish(procs[name])
         sd = torch.load(tmp_path / name / 'last.pt', weights_only=True)['moco']
         moved = 0
         for key, w0 in theta_0.items():
@@ -128,6 +121,17 @@ def test_momentum_update_is_exact(cifar10_dir, tmp_path):
                 assert torch.equal(k1, w0 * m + q1 * (1 - m)), (name, key)
                 moved += not torch.equal(q1, w0)
         assert moved > 10, name  # the step did change theta_q
+    # --resume at the epoch boundary (flags from the run) equals the uninterrupted run bit for bit: every
+    # draw of an epoch comes from (seed, epoch); the optimizer state and history come back whole
+    finish(start('--resume', tmp_path / 'plain' / 'last.pt'))
+    finish(procs['full'])
+    resumed, full = (torch.load(tmp_path / name / 'last.pt', weights_only=True) for name in ('plain', 'full'))
+    assert resumed['epoch'] == full['epoch'] == 2 and resumed['moco'].keys() == full['moco'].keys()
+    for key, value in full['moco'].items():
+        assert torch.equal(resumed['moco'][key], value), key
+    timeless = lambda rows: [{k: v for k, v in r.items() if k not in ('elapsed_s', 'img_per_s')} for r in rows]
+    assert timeless(resumed['history']) == timeless(full['history'])
+    assert len(full['history']) == 4  # 2 train rows, 2 eval rows
 
 
 # -----------------------------------------------------------------------------
@@ -146,7 +150,7 @@ def test_ddp_equals_single_process(cifar10_dir, tmp_path):
     assert b[0]['loss'] == pytest.approx(a[0]['loss'], rel=1e-6)  # the first step: same views, weights
     for x, y in zip(a, b):
         assert y['loss'] == pytest.approx(x['loss'], rel=1e-4)
-    assert json.loads((tmp_path / 'two' / 'args.json').read_text())['world_size'] == 2
+    assert 'x 3 steps of 64 (2 x 32)' in out  # two ranks of 32 really ran
 
     single = {r['protocol']: r for r in rows(tmp_path / 'one', 'eval')}
     out, _ = finish(start(*common, '--eval-only', '--checkpoint', tmp_path / 'one' / 'last.pt', nproc=2))
@@ -157,14 +161,18 @@ def test_ddp_equals_single_process(cifar10_dir, tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# 4. Learning: a tiny ViT pre-trained for ~half a minute per run on 2,000 CIFAR-10 images, with and
-# without SAM, beats its own random initialisation on 1,000 test images by k-NN and linear probe;
-# its backbone loads into train_cifar.py's model for fine-tuning.
+# 4. Learning: a tiny ViT pre-trained for 186 steps (6 epochs at batch 64) on 2,000 CIFAR-10 images, with
+# and without SAM, beats the same network at its random initialisation (same seed, same images) on 5,000
+# test images by k-NN and linear probe (std of one accuracy ~0.65 points; without SAM this config gained
+# 3.8 and 5.6 points over 26.4% and 29.8% when measured). At this scale the patch projection is trained:
+# frozen (MoCo v3's trick for stability at scale) it learns more slowly. Its backbone loads into
+# train_cifar.py's model for fine-tuning.
 def test_learns_and_exports(cifar10_dir, tmp_path):
-    common = ['--data', cifar10_dir, '--train-subset', 2000, '--test-subset', 1000, *TINY, '--batch-size', 128,
-              '--warmup-epochs', 1, '--lr', 3e-3, '--moco-m', 0.9, '--eval-every', 0]
-    procs = {'plain': start(*common, '--epochs', 6, '--out', tmp_path / 'plain'),
-             'sam': start(*common, '--epochs', 4, '--sam', '--out', tmp_path / 'sam')}
+    common = ['--data', cifar10_dir, '--train-subset', 2000, '--test-subset', 5000, *TINY, '--batch-size', 64,
+              '--epochs', 6, '--warmup-epochs', 1, '--lr', 3e-3, '--moco-m', 0.9, '--crop-min', 0.25,
+              '--no-freeze-patch-embed', '--eval-every', 0]
+    procs = {'plain': start(*common, '--out', tmp_path / 'plain'),
+             'sam': start(*common, '--sam', '--out', tmp_path / 'sam')}
     init, _ = finish(start(*common, '--eval-only'))
     before = {p: float(init.split(f'{p} acc ')[1].split('%')[0]) for p in ('knn', 'linear')}
     for name, proc in procs.items():
@@ -172,13 +180,19 @@ def test_learns_and_exports(cifar10_dir, tmp_path):
         after = {r['protocol']: r['top1'] for r in rows(tmp_path / name, 'eval')}
         for p in ('knn', 'linear'):
             assert after[p] > before[p] + 1.5, (name, p, before, after)
-    # last.pt's 'model': the backbone under timm's keys with vit.py's zero head, read by train_cifar's loader
-    ckpt = torch.load(tmp_path / 'plain' / 'last.pt', weights_only=True)
-    model = train_cifar.build_model('vit_ti16', 10, ckpt['args']['model_kw'])
-    train_cifar.load_weights(model, tmp_path / 'plain' / 'last.pt')
+    # last.pt's 'model': the backbone under timm's keys with vit.py's zero head: strict loads, and
+    # train_cifar's fine-tuning loader (a head of other classes replaced)
+    path = tmp_path / 'plain' / 'last.pt'
+    ckpt = torch.load(path, weights_only=True)
+    kw = train_cifar.parse_model_kw(ckpt['args']['model_kw'])
+    model = train_cifar.build_model('vit_ti16', 10, kw)
+    model.load_state_dict(ckpt['model'])
     for key, value in model.state_dict().items():
         assert torch.equal(value, ckpt['moco']['base_encoder.0.' + key] if not key.startswith('head.')
                            else torch.zeros_like(value)), key
+    model100 = train_cifar.build_model('vit_ti16', 100, kw)
+    train_cifar.load_weights(model100, path, finetune=True)
+    assert torch.equal(model100.blocks[1].mlp.fc2.weight, model.blocks[1].mlp.fc2.weight)
 
 
 # -----------------------------------------------------------------------------
@@ -193,17 +207,22 @@ def per_image(fn, images, values):
     return torch.stack([fn(img, v) for img, v in zip(images, values)]).float()
 
 
-def test_color_ops_match_torchvision(images):
+def test_hue_and_color_jitter_match_torchvision(images):
+    """Hue per image over its whole range; ColorJitter's four ops in a per-image order (brightness,
+    contrast, saturation come from augment.py, tested in test_augment.py; the order and hue are ours)."""
     B, g = len(images), torch.Generator().manual_seed(0)
-    x = images.float()
-    for ours, theirs, lo, hi in ((tc.adjust_brightness, TF.adjust_brightness, 0.6, 1.4),
-                                 (tc.adjust_contrast, TF.adjust_contrast, 0.6, 1.4),
-                                 (tc.adjust_saturation, TF.adjust_saturation, 0.8, 1.2)):
-        f = lo + (hi - lo) * torch.rand(B, generator=g)
-        assert torch.equal(ours(x, f.view(B, 1, 1, 1)), per_image(theirs, images, f.tolist())), ours.__name__
-    hue = torch.rand(B, generator=g) - 0.5  # the whole range [-0.5, 0.5)
-    assert torch.equal(tc.adjust_hue(x, hue.view(B, 1, 1)), per_image(TF.adjust_hue, images, hue.tolist()))
-    assert torch.equal(tc.grayscale(x).expand_as(x), torch.stack([TF.rgb_to_grayscale(i, 3) for i in images]).float())
+    hue = torch.rand(B, generator=g) - 0.5  # [-0.5, 0.5)
+    assert torch.equal(tc.adjust_hue(images.float(), hue.view(B, 1, 1)), per_image(TF.adjust_hue, images, hue.tolist()))
+    factors = torch.stack([0.6 + 0.8 * torch.rand(B, generator=g, dtype=torch.float64) for _ in range(3)]
+                          + [0.2 * torch.rand(B, generator=g, dtype=torch.float64) - 0.1], 1)
+    order = torch.rand(B, 4, generator=g).argsort(1)
+    ops = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation, TF.adjust_hue)
+    ref = []
+    for img, f, o in zip(images, factors.tolist(), order.tolist()):
+        for k in o:
+            img = ops[k](img, f[k])
+        ref.append(img)
+    assert torch.equal(tc.color_jitter(images.float(), factors, order), torch.stack(ref).float())
 
 
 def test_gaussian_blur_matches_torchvision(images):
@@ -238,7 +257,8 @@ def test_view_applies_ops_with_their_probabilities(images, monkeypatch):
         v = (255 * tc.moco_view(x, g, len(x), 0, len(x), view, 32, 1.0, mean, std)).round()  # crop_min 1: whole
         sol = torch.where(x >= 128, 255 - x, x)  # PIL's solarize
         match = lambda ref: (v == ref).flatten(1).all(1)
-        kept, mirrored, solarized = match(x) | match(x.flip(3)), match(x.flip(3)) | match(sol.flip(3)), match(sol) | match(sol.flip(3))
+        kept, solarized = match(x) | match(x.flip(3)), match(sol) | match(sol.flip(3))
+        mirrored = match(x.flip(3)) | match(sol.flip(3))
         assert (kept | solarized).all()  # nothing else happened
         assert abs((solarized & ~kept).float().mean().item() - p) < 0.03, view
         assert abs(mirrored.float().mean().item() - 0.5) < 0.04, view
@@ -246,19 +266,23 @@ def test_view_applies_ops_with_their_probabilities(images, monkeypatch):
 
 # -----------------------------------------------------------------------------
 # 6. Bad input: one clear line, a non-zero exit, no traceback; an existing run is never overwritten.
-@pytest.mark.parametrize('case', ['no-data', 'unknown-model', 'bad-model-kw', 'missing-resume', 'corrupt-resume',
-                                  'batch-not-divisible', 'out-holds-run', 'out-is-file', 'warmup'])
+@pytest.mark.parametrize('case', ['no-data', 'unknown-model', 'bad-model-kw', 'missing-resume', 'resume-not-ours',
+                                  'checkpoint-without-eval-only', 'corrupt-resume', 'batch-not-divisible',
+                                  'out-holds-run', 'out-is-file', 'warmup'])
 def test_bad_input_in_process(case, tmp_path, monkeypatch):
     (tmp_path / 'run').mkdir()
     (tmp_path / 'run' / 'metrics.jsonl').write_text('{}\n')
     (tmp_path / 'file').write_text('x')
     (tmp_path / 'bad.pt').write_bytes(b'not a checkpoint' * 10)
+    torch.save({'model': {}, 'args': {}}, tmp_path / 'sd.pt')  # e.g. train_cifar's, no 'moco'
     args, expect = {
         'no-data': ([], str(tmp_path / 'empty')),
         'unknown-model': (['--model', 'vit_huge'], "unknown ViT config 'vit_huge'"),
         'bad-model-kw': (['--model-kw', 'heads=5'], 'heads=5 does not divide dim=192'),
-        'missing-resume': (['--resume', tmp_path / 'nope.pt'], '--resume file not found'),
-        'corrupt-resume': (['--resume', tmp_path / 'bad.pt'], 'not a readable checkpoint'),
+        'missing-resume': (['--resume', tmp_path / 'nope.pt'], 'nope.pt: no such file'),
+        'resume-not-ours': (['--resume', tmp_path / 'sd.pt'], 'is not a train_contrastive.py checkpoint'),
+        'checkpoint-without-eval-only': (['--checkpoint', tmp_path / 'sd.pt'], '--checkpoint is for --eval-only'),
+        'corrupt-resume': (['--resume', tmp_path / 'bad.pt'], 'is not a readable checkpoint'),
         'batch-not-divisible': (['--batch-size', 100], '--batch-size 100 (global) does not divide by the world size 3'),
         'out-holds-run': (['--out', tmp_path / 'run'], 'already holds a run (metrics.jsonl); use --resume'),
         'out-is-file': (['--out', tmp_path / 'file'], 'is a file'),
@@ -269,7 +293,7 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch):
     for proxy in ('http_proxy', 'https_proxy', 'HTTP_PROXY', 'HTTPS_PROXY'):  # offline: no CIFAR download
         monkeypatch.setenv(proxy, 'http://127.0.0.1:9')
     argv = ['--data', tmp_path / 'empty', '--out', tmp_path / 'out', '--epochs', 50, *TINY, *args]
-    with pytest.raises(tc.UserError) as e:
+    with pytest.raises(train_cifar.UserError) as e:  # ours is a kind of it (its helpers raise it)
         tc.main([str(a) for a in argv])
     assert expect in str(e.value), str(e.value)
     assert (tmp_path / 'run' / 'metrics.jsonl').read_text() == '{}\n'

@@ -365,3 +365,10 @@ def test_bad_input_is_one_line(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode != 0 and 'Traceback' not in r.stderr
     assert r.stderr.strip().startswith('geometry.py: error:') and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_table1_never_replaces_a_table(tmp_path):
+    (tmp_path / 'table1.json').write_text('{}')
+    with pytest.raises(G.UserError, match='already holds table1.json'):
+        G.main(['table1', '--data', str(tmp_path), '--out', str(tmp_path)])
+    assert (tmp_path / 'table1.json').read_text() == '{}'

@@ -1,6 +1,7 @@
 """train_cifar.py: it learns (with and without SAM), 2-process SAM equals a per-rank simulation, DDP
 evaluation is exact, a killed run resumes bit-identically (fp16 GradScaler included), every bad input
-fails cleanly, and the data loaders read exactly what torchvision / PIL read.
+fails cleanly, the data loaders read exactly what torchvision / PIL read, fine-tuning loads weights as timm
+resamples them, and adversarial training buys PGD robustness.
 
 Scripts run as subprocesses with OMP_NUM_THREADS=1: on 2 shared cores, two OpenMP threads per
 process spin at barriers whenever a neighbour takes a core, which made runs 5-10x slower. The two
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 import torchvision
 from PIL import Image
 
+import pgd
 import train_cifar as tc
 from conftest import REPO
 
@@ -401,6 +403,14 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
     'eval-only-without-checkpoint': (['--eval-only'], ['--eval-only evaluates --checkpoint']),
     'batch-size-0': (['--batch-size', 0], ['--batch-size must be', '>= 1']),
     'batch-not-divisible-by-world': (['--batch-size', 512], ['--batch-size 512 (global)', 'world size 3']),
+    # issue 15's flags
+    'pretrained-missing': (['--pretrained', '{dir}/nope.pt'], ['no such file', 'nope.pt']),
+    'pretrained-with-resume': (['--resume', '{run}/last.pt', '--pretrained', '{dir}/weights.pt'],
+                               ['--pretrained starts a new run']),
+    'pretrained-mixer-tokens': (['--model', 'mixer_s16', '--model-kw', 'patch_size=4', 'dim=32', 'depth=1',
+                                 '--img-size', 48, '--pretrained', '{dir}/mixer.pt'], ['Mixer of 64 tokens', '144']),
+    'img-size-0': (['--img-size', 0], ['--img-size must be', '>= 1']),
+    'adv-steps-0': (['--adv', 'pgd', '--adv-steps', 0], ['--adv-steps must be', '>= 1']),
 }
 
 
@@ -413,6 +423,8 @@ def test_bad_input(case, fork_server, tiny_run, cifar10_dir, tmp_path):
     (tmp_path / 'corrupt.pt').write_bytes(b'not a checkpoint' * 10)
     torch.save({'state_dict': {'head.weight': torch.zeros(3, 3)}}, tmp_path / 'weights.pt')
     bad_npz(tmp_path / 'bad.npz')
+    torch.save(tc.build_model('mixer_s16', 10, {'patch_size': 4, 'dim': 32, 'depth': 1}).state_dict(),
+               tmp_path / 'mixer.pt')
     if case in ('test-classes-differ', 'empty-class-folder', 'corrupt-image', 'truncated-image'):
         fill['data'], fill['jpg'] = image_folder(cifar10_dir, tmp_path / 'data', case)
     if case == 'out-read-only' and os.geteuid() != 0:  # root may write anywhere but in /sys
@@ -570,3 +582,92 @@ def test_load_weights_reads_a_locuslab_file(tmp_path):
     tc.load_weights(ours, tmp_path / 'cm.pth.tar')
     x = torch.randn(2, 3, 32, 32)
     assert torch.allclose(ours.eval()(x), theirs(x), atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# 7. Transfer and adversarial training (issue 15).
+VIT = ['--model', 'vit_ti16', '--model-kw', 'patch_size=4', 'dim=32', 'depth=1', 'heads=2']
+
+
+def pretrained_vit(path, num_classes=5):
+    """A 'pretrained' ViT at 32 px (8x8 grid) with random non-zero weights, saved as a bare state_dict with
+    DDP's prefix, as timm or another trainer would leave it."""
+    torch.manual_seed(1)
+    model = tc.build_model('vit_ti16', num_classes, tc.parse_model_kw(VIT[3:]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    torch.save({'module.' + k: v for k, v in model.state_dict().items()}, path)
+    return model.state_dict()
+
+
+def test_finetune_loads_resampled_pos_embed_and_a_new_head(tmp_path):
+    """load_weights(finetune=True) at 48 px on 10 classes: pos_embed as timm's resample_abs_pos_embed gives
+    it (the oracle), the head replaced by zeros (ViT paper Sec. 3.2), every other tensor as saved."""
+    from timm.layers import resample_abs_pos_embed
+    theirs = pretrained_vit(tmp_path / 'vit.pt')
+    model = tc.build_model('vit_ti16', 10, tc.parse_model_kw(VIT[3:]), img_size=48)
+    with pytest.raises(tc.UserError, match='does not fit'):  # without finetune: strict, as for --checkpoint
+        tc.load_weights(model, tmp_path / 'vit.pt')
+    tc.load_weights(model, tmp_path / 'vit.pt', finetune=True)
+    ours = model.state_dict()
+    want = resample_abs_pos_embed(theirs['pos_embed'], [12, 12], num_prefix_tokens=1)
+    assert ours['pos_embed'].shape == (1, 145, 32) and torch.allclose(ours['pos_embed'], want, atol=1e-5)
+    assert ours['pos_embed'][0, 0].equal(theirs['pos_embed'][0, 0])  # the class token's entry is kept
+    assert ours['head.weight'].shape == (10, 32) and not ours['head.weight'].any() and not ours['head.bias'].any()
+    for k, v in theirs.items():
+        if k not in ('pos_embed', 'head.weight', 'head.bias'):
+            assert torch.equal(ours[k], v), k
+    same = tc.build_model('vit_ti16', 5, tc.parse_model_kw(VIT[3:]))  # same classes, same grid: all kept
+    tc.load_weights(same, tmp_path / 'vit.pt', finetune=True)
+    assert all(torch.equal(same.state_dict()[k], v) for k, v in theirs.items())
+    torch.save(tc.build_model('mixer_s16', 5, {'patch_size': 4, 'dim': 32, 'depth': 1}).state_dict(), tmp_path / 'm.pt')
+    mixer = tc.build_model('mixer_s16', 10, {'patch_size': 4, 'dim': 32, 'depth': 1}, img_size=48)
+    with pytest.raises(tc.UserError, match='Mixer of 64 tokens, this one has 144'):
+        tc.load_weights(mixer, tmp_path / 'm.pt', finetune=True)
+
+
+def test_finetune_recipe_trains_at_48px(cifar10_dir, tmp_path):
+    """--recipe finetune --pretrained --img-size 48: SGD momentum 0.9 without weight decay, clip 1.0, the LR
+    of vit_jax's utils.create_learning_rate_schedule (linear warm-up over 5% of the steps, then cosine),
+    written out here; the model starts from the pretrained weights and trains."""
+    theirs = pretrained_vit(tmp_path / 'vit.pt')
+    out = tmp_path / 'ft'
+    tc.main([str(a) for a in ['--data', cifar10_dir, '--train-subset', 400, '--test-subset', 100, '--batch-size', 50,
+                              '--epochs', 2, *VIT, '--recipe', 'finetune', '--pretrained', tmp_path / 'vit.pt',
+                              '--img-size', 48, '--log-every', 2, '--out', out]])
+    ckpt = torch.load(out / 'last.pt', weights_only=True)
+    group = ckpt['optimizer']['param_groups'][0]
+    assert (group['momentum'], group['weight_decay'], 'betas' in group) == (0.9, 0.0, False)
+    assert ckpt['args']['clip_grad'] == 1.0 and ckpt['args']['scale'] == 0.05 and ckpt['args']['randaug_n'] == 0
+    total, warm = 16, 0.05 * 16  # 2 epochs x 8 steps
+    vit_jax = lambda s: 0.03 * min(1, s / warm) * 0.5 * (1 + math.cos(math.pi * min(max((s - warm) / (total - warm),
+                                                                                          0), 1)))
+    train = rows(out, 'train')
+    assert [r['step'] for r in train] == [2, 4, 6, 8, 10, 12, 14, 16]  # 3 progress rows + 1 per epoch
+    assert [r['lr'] for r in train] == pytest.approx([vit_jax(r['step']) for r in train], abs=1e-12)
+    assert ckpt['model']['pos_embed'].shape == (1, 145, 32) and ckpt['model']['head.weight'].shape == (10, 32)
+    assert (ckpt['model']['blocks.0.attn.qkv.weight'] - theirs['blocks.0.attn.qkv.weight']).abs().max() < 0.5
+    assert ckpt['model']['head.weight'].abs().sum() > 0 and rows(out, 'eval')[-1]['n'] == 100
+
+
+def test_adversarial_training_is_more_robust(cifar10_dir, tmp_path):
+    """The same small ConvMixer, the same clean budget, trained normally and on PGD examples: PGD-10 at
+    eps 8/255 (torchattacks-checked pgd.py, tests/test_pgd.py) leaves the adversarially trained one more
+    accurate. (PGD-3 with alpha 3/255 in training keeps the test short.)"""
+    common = ['--data', cifar10_dir, '--train-subset', 1500, '--test-subset', 500, '--batch-size', 100,
+              '--epochs', 3, '--lr', 0.02, '--aug', 'basic', '--log-every', 0,
+              '--model-kw', 'dim=32', 'depth=2', 'patch_size=4', 'kernel_size=3']
+    x, y = tc.load_cifar(cifar10_dir, 'cifar10', False, 500)
+    mean, std = (torch.tensor(v['cifar10']).view(1, 3, 1, 1) for v in (tc.MEAN, tc.STD))
+    robust = {}
+    for name, adv in (('plain', []), ('adv', ['--adv', 'pgd', '--adv-steps', 3, '--adv-alpha', 3])):
+        tc.main([str(a) for a in [*common, *adv, '--out', tmp_path / name]])
+        model = tc.build_model('convmixer_256_8', 10, tc.parse_model_kw(common[-4:]))
+        tc.load_weights(model, tmp_path / name / 'last.pt')
+        torch.manual_seed(0)
+        x_adv = pgd.pgd(model.eval(), x.float() / 255, y, 8 / 255, 2 / 255, 10, normalize=lambda v: (v - mean) / std)
+        with torch.no_grad():
+            robust[name] = 100 * (model((x_adv - mean) / std).argmax(1) == y).float().mean().item()
+    print(f'PGD-10 robust accuracy: {robust}; clean: {[rows(tmp_path / n, "eval")[-1]["top1"] for n in robust]}')
+    assert robust['adv'] > robust['plain'] + 5, robust

@@ -28,6 +28,7 @@ from PIL import Image
 from torchvision import transforms as T
 
 import train_imagenet as ti
+import vit
 from conftest import REPO
 from sam import SAM
 
@@ -131,16 +132,28 @@ def counts(res):
 
 # -----------------------------------------------------------------------------------------------
 # 1. End to end, distributed: two epochs, a mid-epoch resume, and --eval-only.
+COPY_AT_STEP_12 = '''
+import shutil, sys, train_imagenet as ti
+real_save_run = ti.save_run
+def save_run(out, model, optimizer, scaler, step, *rest):  # rank 0: the run "preempted" after this save
+    real_save_run(out, model, optimizer, scaler, step, *rest)
+    if step == 12:
+        shutil.copytree(out, sys.argv[1])
+ti.save_run = save_run
+ti.main(sys.argv[2:])
+'''
+
+
 @pytest.fixture(scope='module')
 def vit_runs(tiny_imagenet, tmp_path_factory):
-    """A: 2 x gloo, two epochs uninterrupted. B: the same run "preempted" after step 13 with
-    --save-every 4, so its last checkpoint is step 12 (2 of 10 into epoch 2), then resumed from the
-    checkpoint alone (every flag from the run) on another world size: one process, in this one."""
+    """A: 2 x gloo, two epochs uninterrupted, --save-every 4. B: A's folder as it was right after the
+    step-12 checkpoint (2 of 10 into epoch 2), as if preempted there, then resumed from the checkpoint
+    alone (every flag from the run) on another world size: one process, in this one."""
     tmp = tmp_path_factory.mktemp('vit_runs')
     # warmup 6: logged steps (every 5) fall inside it; mixup: the resumed run re-seeds its RNG
     common = ['--data', tiny_imagenet] + TINY_VIT + SCHEDULE + ['--warmup-steps', 6, '--mixup', 0.2, '--workers', 0]
-    a = run(common + ['--out', tmp / 'A'], nproc=2)
-    run(common + ['--out', tmp / 'B', '--save-every', 4, '--max-steps', 13], nproc=2)
+    (tmp / 'copy_at_12.py').write_text(COPY_AT_STEP_12)
+    a = run([tmp / 'B'] + common + ['--out', tmp / 'A', '--save-every', 4], nproc=2, script=tmp / 'copy_at_12.py')
     mid = load(tmp / 'B' / 'last.pt')
     with contextlib.redirect_stdout(io.StringIO()) as resumed:
         main(['--resume', tmp / 'B' / 'last.pt', '--workers', 0])
@@ -207,12 +220,15 @@ def test_eval_only_on_3_ranks_takes_everything_from_our_checkpoint_and_is_exact(
         assert res['loss'] == pytest.approx(final['loss'], rel=1e-5)
 
 
-def test_ddp_mixer_convmixer_recipe_sam_accumulation(tiny_imagenet, tmp_path):
-    """Tiny Mixer, 2 x gloo, ConvMixer recipe (RandAugment, mixup/cutmix, erasing, smoothing, one-cycle)
-    with SAM and 2 accumulation steps: two epochs, and the saved weights evaluate to the logged numbers."""
-    out = tmp_path / 'mixer'
+def test_ddp_convmixer_recipe_sam_accumulation_batchnorm_eval_matches_its_checkpoint(tiny_imagenet, tmp_path):
+    """Tiny ConvMixer (BatchNorm), 2 x gloo, ConvMixer recipe (RandAugment, mixup/cutmix, erasing, smoothing,
+    one-cycle) with SAM and 2 accumulation steps, loader workers. Each rank's BatchNorm statistics drift apart
+    in training; the epoch's distributed evaluation must still be that of the saved (rank-0) weights and
+    statistics: a single-process --eval-only of last.pt (model flags from it) gives the logged numbers."""
+    out = tmp_path / 'convmixer'
+    tiny = ['--model', 'convmixer_256_8', '--model-kw', 'dim=32', 'depth=2', 'patch_size=8', '--img-size', IMG]
     run(['--data', tiny_imagenet, '--recipe', 'convmixer', '--sam', '--accum-steps', 2, '--workers', 1,
-         '--out', out] + TINY_MIXER + SCHEDULE, nproc=2)
+         '--out', out] + tiny + SCHEDULE, nproc=2)
     evals = rows(out, 'eval')
     assert [r['epoch'] for r in evals] == [1, 2] and all(r['n'] == 33 for r in evals)
     args = json.loads((out / 'args.json').read_text())
@@ -223,21 +239,9 @@ def test_ddp_mixer_convmixer_recipe_sam_accumulation(tiny_imagenet, tmp_path):
     for r in train:  # locuslab's integer breakpoints at 2 epochs: 2*2//5 = 0, 2*4//5 = 1; t = (s + 1) / 10
         assert r['lr'] == pytest.approx(0.01 * np.interp(r['step'] / 10, [0, 0, 1, 2], [0, 1, 0.05, 0]), rel=1e-9)
         assert math.isfinite(r['loss'])
-    single = eval_in_process(['--checkpoint', out / 'last.pt'])  # recipe, norm, crop from the checkpoint
+    single = eval_in_process(['--resume', out / 'last.pt'])  # --eval-only --resume: the weights of that run
     assert counts(single) == counts(evals[-1])
-
-
-def test_ddp_batchnorm_convmixer_sam_eval_matches_its_checkpoint(tiny_imagenet, tmp_path):
-    """BatchNorm under DDP + SAM: each rank's running statistics drift apart in training; the epoch's
-    distributed evaluation must still be that of the saved (rank-0) weights and statistics."""
-    out = tmp_path / 'convmixer'
-    tiny = ['--model', 'convmixer_256_8', '--model-kw', 'dim=32', 'depth=2', 'patch_size=8', '--img-size', IMG]
-    run(['--data', tiny_imagenet, '--sam', '--workers', 0, '--out', out, '--epochs', 1, '--batch-size', 20,
-         '--lr', 0.01, '--lr-batch', 20, '--warmup-steps', 2, '--eval-batch-size', 8] + tiny, nproc=2)
-    logged = rows(out, 'eval')[-1]
-    single = eval_in_process(['--checkpoint', out / 'last.pt'])
-    assert counts(single) == counts(logged)
-    assert single['loss'] == pytest.approx(logged['loss'], rel=1e-6)
+    assert single['loss'] == pytest.approx(evals[-1]['loss'], rel=1e-6)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -503,19 +507,80 @@ def test_eval_only_torchvision_resnet_state_dict(tiny_imagenet, tmp_path):
     assert counts(res) == oracle_counts(resnet, tiny_imagenet / 'val', mean, std, img=32)
 
 
-def test_load_weights_finetune_keeps_the_models_head_and_resamples_pos_embed(tmp_path):
+def test_pretrained_vit_at_32px_fine_tunes_at_48px_with_the_vit_paper_recipe(tiny_imagenet, tmp_path, monkeypatch):
+    """--pretrained + --recipe finetune at a higher resolution (ViT paper Sec. 3.2, App. B.1.1). Oracles:
+    timm's resample_abs_pos_embed and vit.resample_pos_embed for the position embedding, the source
+    weights for the body, the model's own zero head (the 1000-class head cannot fit 10 classes), the
+    closed-form warmup + cosine schedule, and the paper's SGD (momentum 0.9, no weight decay)."""
     from timm.layers import resample_abs_pos_embed
     from timm.models.vision_transformer import VisionTransformer
-    source = VisionTransformer(img_size=32, patch_size=16, embed_dim=64, depth=2, num_heads=2, num_classes=1000)
+    torch.manual_seed(0)
+    source = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=1000)
     torch.nn.init.normal_(source.pos_embed)
-    torch.save(source.state_dict(), tmp_path / 'in1k.pth')
-    model = ti.build_model('vit_ti16', 10, IMG, dict(depth=2, dim=64, heads=2))
-    torch.nn.init.normal_(model.head.weight)
-    head = model.head.weight.detach().clone()
-    ti.load_weights(model, str(tmp_path / 'in1k.pth'), finetune=True)
-    assert torch.equal(model.head.weight, head)
-    assert torch.equal(model.blocks[1].mlp.fc2.weight, source.blocks[1].mlp.fc2.weight)
-    torch.testing.assert_close(model.pos_embed, resample_abs_pos_embed(source.pos_embed, (4, 4), num_prefix_tokens=1))
+    torch.nn.init.normal_(source.head.weight)
+    torch.save({'state_dict': source.state_dict()}, tmp_path / 'in1k.pth')  # timm's train-checkpoint layout
+    loaded, real_step = [], ti.train_step
+
+    def first_step(model, *a, **k):  # the weights as loaded, before the first optimizer step changes them
+        if not loaded:
+            loaded.append({n: v.detach().clone() for n, v in model.state_dict().items()})
+        return real_step(model, *a, **k)
+    monkeypatch.setattr(ti, 'train_step', first_step)
+    out = tmp_path / 'ft'
+    main(['--data', tiny_imagenet, '--recipe', 'finetune', '--pretrained', tmp_path / 'in1k.pth', '--model', 'vit_ti16',
+          '--model-kw', 'depth=2', 'dim=64', 'heads=2', 'patch_size=8', '--img-size', 48, '--batch-size', 20,
+          '--lr', 0.01, '--lr-batch', 20, '--warmup-steps', 2, '--epochs', 1, '--log-every', 1, '--workers', 0,
+          '--eval-batch-size', 8, '--out', out])
+    w = loaded[0]
+    expected = resample_abs_pos_embed(source.pos_embed.detach(), (6, 6), num_prefix_tokens=1)
+    torch.testing.assert_close(w['pos_embed'], expected)
+    assert torch.equal(w['pos_embed'], vit.resample_pos_embed(source.pos_embed.detach(), (6, 6), 1))
+    assert torch.equal(w['blocks.1.mlp.fc2.weight'], source.blocks[1].mlp.fc2.weight)
+    assert not w['head.weight'].any() and w['head.weight'].shape == (10, 64)  # re-initialised (zero, as built)
+    train = rows(out, 'train')
+    for r in train:  # 10 steps: linear warmup over 2, then cosine to 0 (vit_jax's schedule)
+        s = r['step'] - 1
+        t = (s - 2) / 8
+        assert r['lr'] == pytest.approx(0.01 * ((s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * t))), rel=1e-9)
+        assert math.isfinite(r['loss'])
+    assert len(train) == 10 and rows(out, 'eval')[0]['n'] == 33
+    group = load(out / 'last.pt')['optimizer']['param_groups'][0]
+    assert (group['momentum'], group['weight_decay'], group['nesterov']) == (0.9, 0.0, False)
+    args = json.loads((out / 'args.json').read_text())
+    assert (args['clip_grad'], args['crop_min'], args['norm'], args['sched']) == (1.0, 0.05, 'jax', 'cosine')
+
+
+def test_pretrained_mixer_of_another_token_count_is_a_clear_error(tmp_path):
+    source = ti.build_model('mixer_s16', 10, 32, dict(depth=1, dim=16, tokens_mlp_dim=8, channels_mlp_dim=16))
+    torch.save(source.state_dict(), tmp_path / 'mixer32.pth')
+    model = ti.build_model('mixer_s16', 10, 64, dict(depth=1, dim=16, tokens_mlp_dim=8, channels_mlp_dim=16))
+    with pytest.raises(ti.UserError, match=r"token-mixing MLP is tied to its token count \(4 in the checkpoint, 16 at "
+                                           r"--img-size 64\)"):
+        ti.load_weights(model, str(tmp_path / 'mixer32.pth'), finetune=True)
+
+
+def test_synthetic_trains_a_sam_vit_without_data(tmp_path):
+    """--synthetic: random images of the model's size and 1000 classes (the GPU throughput check runs
+    `--synthetic --model vit_b16 --sam`); the step count is ImageNet-1k's."""
+    out = tmp_path / 'synthetic'
+    main(['--synthetic', '--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=32', 'heads=2', '--img-size', 32,
+          '--sam', '--batch-size', 8, '--max-steps', 2, '--log-every', 1, '--workers', 0, '--save-every', 2,
+          '--out', out])
+    train = rows(out, 'train')
+    assert [r['step'] for r in train] == [1, 2] and all(r['img_per_s'] > 0 and math.isfinite(r['loss']) for r in train)
+    assert train[0]['loss'] == pytest.approx(math.log(1000), rel=1e-3)  # zero head: uniform over 1000 classes
+    ckpt = load(out / 'last.pt')
+    assert ckpt['steps_per_epoch'] == 1_281_167 // 8 and ckpt['model']['head.weight'].shape == (1000, 32)
+
+
+def test_each_rank_draws_its_own_augmentation_and_a_resume_draws_the_same():
+    def draws(epoch, rank, start=0):
+        g = torch.Generator()
+        ti.seed_epoch(0, epoch, rank, start, g)
+        return torch.cat([torch.rand(8), torch.rand(8, generator=g)])  # mixup/dropout, the loader workers
+    assert torch.equal(draws(3, 1), draws(3, 1))
+    for other in (draws(3, 0), draws(4, 1), draws(3, 1, start=5)):
+        assert not torch.isclose(draws(3, 1), other).any()
 
 
 # -----------------------------------------------------------------------------------------------
@@ -596,7 +661,11 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
     'diverged': (RESUME + ['--lr', 1e30], ['training diverged: the loss is not finite from epoch 3, step 2/10 on; '
                                            'nothing was saved after it; the last checkpoint is {out}/last.pt '
                                            '(step 20)']),
-    'resume-and-overwrite': (RESUME + ['--overwrite'], ['--resume continues a run; --overwrite would start a new one']),
+    'resume-and-overwrite': (RESUME + ['--overwrite'], ['--resume continues a run; --overwrite or --pretrained would start a new one']),
+    'resume-and-pretrained': (RESUME + ['--pretrained', '{out}/last.pt'], ['--overwrite or --pretrained would start']),
+    'pretrained-missing': (BASE + ['--pretrained', '{out}/nothing.pt'], ['--pretrained: no such file: {out}/nothing.pt']),
+    'eval-checkpoint-and-resume': (EVAL + ['--checkpoint', '{out}/last.pt', '--resume', '{out}/last.pt'],
+                                   ['(or --resume PATH, not both)']),
     'resume-missing': (RESUME + ['--resume', '{out}/nothing.pt'], ['--resume: no such file: {out}/nothing.pt']),
     'resume-not-ours': (RESUME + ['--resume', '{bad}/state_dict.pth'], ['is not a last.pt of train_imagenet.py']),
     'resume-other-batch': (RESUME + ['--batch-size', 40],
