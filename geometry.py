@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -678,6 +679,9 @@ def train_run(args, run, argv):
         print(f'  {run}: {[line for line in f if line.startswith("done")][-1].strip()}', flush=True)
 
 
+CACHE_LOCK = threading.Lock()
+
+
 def measure_run(args, run, family, d, log):
     """Train one run (train_run), then measure it; the numbers are kept in OUT/runs/RUN/geometry.json, so a
     second call only adds what is missing (e.g. the corruption column)."""
@@ -699,9 +703,10 @@ def measure_run(args, run, family, d, log):
     if args.corruption_n and m.get('corruption_n') != args.corruption_n:
         import robustness  # issue 14; the corrupted set is cached in OUT by the first call
         c = train_cifar.balanced_subset(d['test_y'], args.corruption_n, 10)
-        r = robustness.corruption_accuracy(model, d['test_u8'][c], d['test_y'][c], train_cifar.MEAN['cifar10'],
-                                           train_cifar.STD['cifar10'], seed=0, batch_size=500,
-                                           cache_dir=os.path.join(args.out, f'cifar10c-{args.corruption_n}'))
+        with CACHE_LOCK:  # one writer of the shared cache: the first run corrupts the set, the others read it
+            r = robustness.corruption_accuracy(model, d['test_u8'][c], d['test_y'][c], train_cifar.MEAN['cifar10'],
+                                               train_cifar.STD['cifar10'], seed=0, batch_size=500,
+                                               cache_dir=os.path.join(args.out, f'cifar10c-{args.corruption_n}'))
         m.update(corruption_n=args.corruption_n, corruption_acc=r['mean_acc'], corruption_note=r['note'])
     write_json(path, m)
     print(f"  {run}: lambda_max {m['lambda_max']:.4g} | train error {m['train_error']:.2f}% | test acc "

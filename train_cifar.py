@@ -550,9 +550,10 @@ def main(argv=None):
             if master:  # last.pt first: it holds the history the other two are rebuilt from
                 save_atomic(last, {'model': raw.state_dict(), 'optimizer': opt.state_dict(), 'history': history,
                                    'scaler': scaler.state_dict(), 'epoch': epoch + 1, 'step': step, 'args': run_args})
+            saved = (last, epoch + 1)  # now, not after the other two: a Ctrl-C while they are written names it
+            if master:
                 save_atomic(out_dir / 'metrics.jsonl', history)
                 save_atomic(out_dir / 'args.json', run_args)
-            saved = (last, epoch + 1)
     except KeyboardInterrupt:
         kept = f'the last checkpoint is {saved[0]} (epoch {saved[1]}); continue with --resume {saved[0]}'
         log(f'train_cifar.py: interrupted in epoch {epoch + 1}; {kept if saved[0] else "no checkpoint was saved"}',
