@@ -392,6 +392,24 @@ def check_finite(first_bad, steps, saved):
                         'clip with --clip-grad')
 
 
+def restore(ckpt, opt, scaler, args, not_inherited, log):
+    """--resume: the optimizer and GradScaler state (loss scale, growth counter) of last.pt; the flags that
+    differ from the run's are printed. Returns (epoch, step, history)."""
+    try:
+        opt.load_state_dict(ckpt['optimizer'])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})')
+    if ckpt['scaler'] and scaler.is_enabled():
+        scaler.load_state_dict(ckpt['scaler'])
+    if ckpt['epoch'] >= args.epochs:
+        raise UserError(f"{args.resume} has trained all {ckpt['epoch']} epochs; pass --epochs N > {ckpt['epoch']}")
+    changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
+               if k in args.saved_args and k not in not_inherited and args.saved_args[k] != v]
+    log(f"resumed {args.resume} at epoch {ckpt['epoch']}, step {ckpt['step']}; "
+        f"changed: {', '.join(changed) or 'nothing'}")
+    return ckpt['epoch'], ckpt['step'], ckpt['history']
+
+
 def main(argv=None):
     args, t_start = get_args(argv), time.time()
     rank, local_rank = (int(os.environ.get(k, 0)) for k in ('RANK', 'LOCAL_RANK'))  # torchrun's environment
@@ -449,18 +467,7 @@ def main(argv=None):
     fwd = torch.compile(model) if args.compile else model
     start_epoch, step, history = 0, 0, []
     if ckpt:
-        try:
-            opt.load_state_dict(ckpt['optimizer'])
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})')
-        if ckpt['scaler'] and scaler.is_enabled():
-            scaler.load_state_dict(ckpt['scaler'])  # the loss scale and its growth counter
-        start_epoch, step, history = ckpt['epoch'], ckpt['step'], ckpt['history']
-        if start_epoch >= args.epochs:
-            raise UserError(f'{args.resume} has trained all {start_epoch} epochs; pass --epochs N > {start_epoch}')
-        changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
-                   if k in args.saved_args and k not in NOT_INHERITED and args.saved_args[k] != v]
-        log(f'resumed {args.resume} at epoch {start_epoch}, step {step}; changed: {", ".join(changed) or "nothing"}')
+        start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log)
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in raw.parameters()):,} params) on '
         f'{args.dataset}: {len(train_y):,} train / {len(test_y):,} test at {args.img_size} px | {args.epochs} epochs '

@@ -532,19 +532,8 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(device.type, enabled=amp == 'fp16')  # bf16 and fp32 need no scaling
     model = nn.parallel.DistributedDataParallel(moco, device_ids=[local_rank] if use_cuda else None) if ddp else moco
     start_epoch, step, history = 0, 0, []
-    if ckpt:
-        try:
-            opt.load_state_dict(ckpt['optimizer'])
-        except (ValueError, KeyError, RuntimeError) as e:
-            raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({train_cifar.one_line(e)})')
-        if ckpt['scaler'] and scaler.is_enabled():
-            scaler.load_state_dict(ckpt['scaler'])
-        start_epoch, step, history = ckpt['epoch'], ckpt['step'], ckpt['history']
-        if start_epoch >= args.epochs:
-            raise UserError(f'{args.resume} has trained all {start_epoch} epochs; pass --epochs N > {start_epoch}')
-        changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
-                   if k in args.saved_args and k not in NOT_INHERITED and args.saved_args[k] != v]
-        log(f'resumed {args.resume} at epoch {start_epoch}, step {step}; changed: {", ".join(changed) or "nothing"}')
+    if ckpt:  # the same resume as train_cifar.py
+        start_epoch, step, history = train_cifar.restore(ckpt, opt, scaler, args, NOT_INHERITED, log)
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in backbone.parameters()):,} backbone params, '
         f'{sum(p.numel() for p in params):,} trained) MoCo v3 on {args.dataset}: {n_train:,} train / '
