@@ -69,6 +69,8 @@ def get_args(argv=None):
     g.add_argument('--train-subset', type=int, default=0, metavar='N', help='N class-balanced images; 0 = all')
     g.add_argument('--test-subset', type=int, default=0, metavar='N', help='N class-balanced images; 0 = all')
     g.add_argument('--img-size', type=int, default=32, metavar='PX', help='bilinear upsampling after augmentation')
+    g.add_argument('--classes', type=int, nargs='+', metavar='C', help='only these classes (train and test), '
+                   'relabelled 0..k-1 in this order: transfer splits; with --pretrained the head is new')
     g = p.add_argument_group('model')
     g.add_argument('--model', default='convmixer_256_8', help='a config of convmixer.py, vit.py, mixer.py; resnet18/20')
     g.add_argument('--model-kw', nargs='+', action='extend', default=[], metavar='KEY=VALUE',
@@ -119,7 +121,7 @@ def get_args(argv=None):
     ckpt = read_checkpoint(run, '--resume' if args.resume else '--checkpoint') if run else None
     if isinstance(ckpt, dict) and all(k in ckpt for k in RUN_KEYS):
         keep = [k for k in vars(args) if k not in NOT_INHERITED] if args.resume else \
-            ['model', 'model_kw', 'dataset', 'img_size', 'recipe']
+            ['model', 'model_kw', 'dataset', 'img_size', 'recipe', 'classes']
         args = p.parse_args(argv, namespace=Namespace(**{k: ckpt['args'][k] for k in keep if k in ckpt['args']}))
         args.saved_args = ckpt['args']
     elif args.resume:
@@ -140,6 +142,10 @@ def get_args(argv=None):
         raise UserError('--pretrained starts a new run from weights; --resume and --eval-only load their own')
     if args.resume and args.overwrite:
         raise UserError('--resume continues a run; --overwrite would start a new one in its folder')
+    if args.classes and not (len(set(args.classes)) == len(args.classes) >= 2 and
+                             all(0 <= c < NUM_CLASSES[args.dataset] for c in args.classes)):
+        raise UserError(f'--classes needs 2 or more distinct labels of {args.dataset} (0..'
+                        f'{NUM_CLASSES[args.dataset] - 1}), got {args.classes}')
     parse_model_kw(args.model_kw)
     return args
 
@@ -157,10 +163,12 @@ def parse_model_kw(items):
     return out
 
 
-def load_cifar(root, dataset, train, subset=0):
+def load_cifar(root, dataset, train, subset=0, classes=None):
     """uint8 images (N, 3, 32, 32), int64 labels (N,): from an image folder root/{train,test}/<class>/*, else
-    from torchvision's CIFAR folder in root (downloaded when absent). subset: the first subset/C per class."""
+    from torchvision's CIFAR folder in root (downloaded when absent). subset: the first subset/C per class.
+    classes: only these, relabelled 0..k-1 in this order."""
     root, num_classes, split = Path(root), NUM_CLASSES[dataset], 'train' if train else 'test'
+    pick = classes or num_classes
     if not ((root / 'train').is_dir() and (root / 'test').is_dir()):
         cls = {'cifar10': torchvision.datasets.CIFAR10, 'cifar100': torchvision.datasets.CIFAR100}[dataset]
         try:
@@ -171,8 +179,8 @@ def load_cifar(root, dataset, train, subset=0):
                             f'{cls.url} and extract it into {root}, or pass --data DIR with DIR/train/<class>/*.png '
                             'and DIR/test/<class>/*.png')
         x, y = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets)
-        keep = balanced_subset(y, subset, num_classes) if subset else slice(None)
-        return x[keep], y[keep]
+        keep = balanced_subset(y, subset, pick) if subset or classes else slice(None)
+        return x[keep], relabel(y[keep], classes)
     try:  # torchvision's ImageFolder: the sorted class folders, their index is the label
         ds = torchvision.datasets.ImageFolder(root / split)
     except FileNotFoundError as e:  # an empty class folder, or none at all
@@ -183,7 +191,7 @@ def load_cifar(root, dataset, train, subset=0):
                         f'{split}: {sorted(set(ds.classes) - set(train_classes))}, only in train: '
                         f'{sorted(set(train_classes) - set(ds.classes))}')
     labels = torch.tensor(ds.targets)
-    keep = balanced_subset(labels, subset, num_classes) if subset else torch.arange(len(labels))
+    keep = balanced_subset(labels, subset, pick) if subset or classes else torch.arange(len(labels))
     x = []
     for path, _ in (ds.samples[i] for i in keep):  # ~30 us per 32x32 image
         try:
@@ -192,16 +200,22 @@ def load_cifar(root, dataset, train, subset=0):
             raise UserError(f'cannot decode {path}: {e}')
         if x[-1].shape != (32, 32, 3):
             raise UserError(f'{path} is {x[-1].shape[1]}x{x[-1].shape[0]} px; CIFAR images are 32x32')
-    return torch.from_numpy(np.stack(x)).permute(0, 3, 1, 2).contiguous(), labels[keep]
+    return torch.from_numpy(np.stack(x)).permute(0, 3, 1, 2).contiguous(), relabel(labels[keep], classes)
 
 
-def balanced_subset(labels, n, num_classes):
-    """Sorted indices of the first n // C (+1 for the first n % C classes) images of each class."""
-    quota = [n // num_classes + (c < n % num_classes) for c in range(num_classes)]
-    picked = [(labels == c).nonzero()[:quota[c], 0] for c in range(num_classes)]
-    if any(len(idx) < q for idx, q in zip(picked, quota)):
+def balanced_subset(labels, n, classes):
+    """Sorted indices of the first n // k (+1 for the first n % k) images of each of k classes (a list, or
+    range(classes)); n = 0: all of their images."""
+    classes = range(classes) if isinstance(classes, int) else classes
+    quota = [n // len(classes) + (j < n % len(classes)) if n else len(labels) for j in range(len(classes))]
+    picked = [(labels == c).nonzero()[:q, 0] for c, q in zip(classes, quota)]
+    if n and any(len(idx) < q for idx, q in zip(picked, quota)):
         raise UserError(f'a class-balanced subset of {n} images needs {max(quota)} of every class; some have fewer')
     return torch.cat(picked).sort().values
+
+
+def relabel(y, classes):  # --classes 5 6 7: labels 5, 6, 7 -> 0, 1, 2
+    return torch.tensor([classes.index(c) for c in y.tolist()], dtype=torch.int64) if classes else y
 
 
 def resnet(name, num_classes):
@@ -251,10 +265,11 @@ def build_model(name, num_classes, model_kw=None, img_size=32):
         raise UserError(f'--model-kw does not fit {name}: {e}')
 
 
-def load_weights(model, path, finetune=False):
+def load_weights(model, path, finetune=False, new_head=False):
     """Load strictly our last.pt ('model'), a timm or locuslab file ('state_dict' or bare; 'module.', '_orig_mod.'
     stripped; locuslab keys converted) or an official JAX .npz (ViT, Mixer). finetune=True also takes weights
-    trained on other classes or at another resolution: the head is replaced, a ViT's pos_embed resampled."""
+    trained on other classes (new_head, or another count) or at another resolution: the head is replaced, a
+    ViT's pos_embed resampled."""
     if str(path).endswith('.npz'):  # official JAX weights: a ViT or an MLP-Mixer
         try:
             sd = (vit if isinstance(model, vit.VisionTransformer) else mixer).load_npz(path)
@@ -271,7 +286,7 @@ def load_weights(model, path, finetune=False):
     own = model.state_dict()
     if finetune:  # the classifier (the last Linear: head, fc) starts at zero (ViT paper Sec. 3.2) for new classes
         head = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
-        if any(k not in sd or sd[k].shape != own[k].shape for k in (f'{head}.weight', f'{head}.bias')):
+        if new_head or any(k not in sd or sd[k].shape != own[k].shape for k in (f'{head}.weight', f'{head}.bias')):
             sd.update({k: torch.zeros_like(own[k]) for k in (f'{head}.weight', f'{head}.bias')})  # (or headless)
         if isinstance(model, vit.VisionTransformer) and 'pos_embed' in sd:  # Sec. 3.2: 2-D interpolation
             try:
@@ -425,9 +440,10 @@ def main(argv=None):
     autocast = torch.autocast(device.type, {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(amp), amp != 'off')
     log = print if master else (lambda *a, **k: None)
     torch.manual_seed(args.seed)  # the same initial weights on every rank; the model first: a bad name fails at once
-    raw = build_model(args.model, NUM_CLASSES[args.dataset], parse_model_kw(args.model_kw), args.img_size)
+    num_classes = len(args.classes) if args.classes else NUM_CLASSES[args.dataset]
+    raw = build_model(args.model, num_classes, parse_model_kw(args.model_kw), args.img_size)
     if weights := args.checkpoint or args.resume or args.pretrained:  # (--checkpoint: --eval-only)
-        load_weights(raw, weights, finetune=bool(args.pretrained))
+        load_weights(raw, weights, finetune=bool(args.pretrained), new_head=bool(args.classes))
     ckpt = read_checkpoint(args.resume, '--resume') if args.resume else None  # optimizer, scaler, history
     out_dir = prepare_out(args) if master and not args.eval_only else Path(args.out)
     raw.to(device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
@@ -435,9 +451,9 @@ def main(argv=None):
         dist.init_process_group('nccl' if use_cuda else 'gloo')
     if ddp and not master:
         dist.barrier()  # rank 0 downloads (if needed) before the others look
-    test_x, test_y = (t.to(device) for t in load_cifar(args.data, args.dataset, False, args.test_subset))
+    test_x, test_y = (t.to(device) for t in load_cifar(args.data, args.dataset, False, args.test_subset, args.classes))
     if not args.eval_only:
-        train_x, train_y = (t.to(device) for t in load_cifar(args.data, args.dataset, True, args.train_subset))
+        train_x, train_y = (t.to(device) for t in load_cifar(args.data, args.dataset, True, args.train_subset, args.classes))
     if ddp and master:
         dist.barrier()
     norm = ((0.5,) * 3,) * 2 if args.recipe == 'finetune' else (MEAN[args.dataset], STD[args.dataset])

@@ -621,6 +621,8 @@ def test_finetune_loads_resampled_pos_embed_and_a_new_head(tmp_path):
     same = tc.build_model('vit_ti16', 5, tc.parse_model_kw(VIT[3:]))  # same classes, same grid: all kept
     tc.load_weights(same, tmp_path / 'vit.pt', finetune=True)
     assert all(torch.equal(same.state_dict()[k], v) for k, v in theirs.items())
+    tc.load_weights(same, tmp_path / 'vit.pt', finetune=True, new_head=True)  # --classes: other labels, same count
+    assert not same.head.weight.any() and same.blocks[0].attn.qkv.weight.equal(theirs['blocks.0.attn.qkv.weight'])
     torch.save(tc.build_model('mixer_s16', 5, {'patch_size': 4, 'dim': 32, 'depth': 1}).state_dict(), tmp_path / 'm.pt')
     mixer = tc.build_model('mixer_s16', 10, {'patch_size': 4, 'dim': 32, 'depth': 1}, img_size=48)
     with pytest.raises(tc.UserError, match='Mixer of 64 tokens, this one has 144'):
@@ -671,3 +673,44 @@ def test_adversarial_training_is_more_robust(cifar10_dir, tmp_path):
             robust[name] = 100 * (model((x_adv - mean) / std).argmax(1) == y).float().mean().item()
     print(f'PGD-10 robust accuracy: {robust}; clean: {[rows(tmp_path / n, "eval")[-1]["top1"] for n in robust]}')
     assert robust['adv'] > robust['plain'] + 5, robust
+
+
+def test_classes_keep_those_images_relabelled(cifar10_dir):
+    """--classes 7 2: every test image of labels 7 and 2 (and no other), in file order, relabelled 0 and 1; with
+    a subset, the first n/k of each, as the full set filtered by hand gives them."""
+    x, y = tc.load_cifar(cifar10_dir, 'cifar10', False)
+    for subset in (0, 11):
+        xs, ys = tc.load_cifar(cifar10_dir, 'cifar10', False, subset, classes=[7, 2])
+        quota = {7: 6, 2: 5} if subset else {7: None, 2: None}  # 11 = 6 + 5, the first class takes the extra one
+        keep = torch.cat([(y == c).nonzero()[:quota[c], 0] for c in (7, 2)]).sort().values
+        assert torch.equal(xs, x[keep]) and torch.equal(ys, (y[keep] == 2).long())  # 7 -> 0, 2 -> 1
+        assert len(ys) == (2000 if subset == 0 else 11) and (ys == 0).sum() == (1000 if subset == 0 else 6)
+
+
+def test_adv_sam_attacks_once_at_w_and_both_passes_see_that_batch(cifar10_dir, tmp_path, monkeypatch):
+    """--adv pgd --sam: per step, PGD runs once, at the weights w of the first pass (not at w + eps-hat), and
+    the first and second SAM passes both see exactly the normalised x_adv it returned."""
+    events = []  # ('pgd', weights, normalised x_adv) and ('train', weights, input) in call order
+    weights = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()]).clone()
+    real_pgd, real_build = tc.pgd, tc.build_model
+    mean, std = (torch.tensor(v['cifar10']).view(1, 3, 1, 1) for v in (tc.MEAN, tc.STD))
+
+    def spy_pgd(model, x, y, *a, **kw):
+        x_adv = real_pgd(model, x, y, *a, **kw)
+        events.append(('pgd', weights(model), (x_adv - mean) / std))
+        return x_adv
+
+    def spy_build(*a, **kw):
+        model = real_build(*a, **kw)
+        model.register_forward_pre_hook(lambda m, inp: events.append(('train', weights(m), inp[0].clone()))
+                                        if m.training else None)
+        return model
+    monkeypatch.setattr(tc, 'pgd', spy_pgd)
+    monkeypatch.setattr(tc, 'build_model', spy_build)
+    tc.main([str(a) for a in ['--data', cifar10_dir, '--train-subset', 100, '--test-subset', 10, '--batch-size', 50,
+                              '--epochs', 1, '--aug', 'basic', '--log-every', 0, *TINY, '--sam', '--rho', 0.5,
+                              '--adv', 'pgd', '--adv-steps', 2, '--out', tmp_path / 'run']])
+    assert [e[0] for e in events] == ['pgd', 'train', 'train'] * 2  # 2 steps
+    for (_, w_pgd, x_adv), (_, w1, x1), (_, w2, x2) in zip(events[0::3], events[1::3], events[2::3]):
+        assert torch.equal(w_pgd, w1) and not torch.allclose(w1, w2)  # attacked at w; the second pass at w + eps
+        assert torch.allclose(x1, x_adv, atol=1e-6) and torch.equal(x1, x2)
