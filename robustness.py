@@ -574,7 +574,7 @@ def main(argv=None):
         corruption_package()
     if not os.path.isfile(args.checkpoint):
         raise UserError(f'--checkpoint {args.checkpoint}: no such file')
-    stored = train_imagenet.stored_args(args.checkpoint) or {}  # our last.pt (either script), else {}
+    stored = train_imagenet.stored_args(args.checkpoint, '--checkpoint') or {}  # our last.pt (either script), else {}
     dataset = (args.dataset or stored.get('dataset') or ('imagenet' if 'recipe' in stored else None)
                or ('cifar10' if args.benchmark == 'cifar10-c' else 'imagenet'))
     if args.benchmark in ('imagenet-c', 'imagenet-r') and dataset != 'imagenet':

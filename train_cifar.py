@@ -407,6 +407,13 @@ def check_finite(first_bad, steps, saved):
                         'clip with --clip-grad')
 
 
+def train_row(epoch, step, lr, sums, images, t_row, t_start):
+    """A metrics.jsonl row of the steps since the last one: sums = (loss sum, correct, images) on the device."""
+    loss_sum, correct, count = sums.tolist()
+    return {'kind': 'train', 'epoch': epoch + 1, 'step': step, 'lr': lr, 'loss': loss_sum / count,
+            'acc': 100 * correct / count, 'img_per_s': images / (time.time() - t_row), 'elapsed_s': time.time() - t_start}
+
+
 def restore(ckpt, opt, scaler, args, not_inherited, log):
     """--resume: the optimizer and GradScaler state (loss scale, growth counter) of last.pt; the flags that
     differ from the run's are printed. Returns (epoch, step, history)."""
@@ -494,14 +501,6 @@ def main(argv=None):
     first_bad = torch.full((), NO_STEP, device=device)  # first non-finite loss: kept on the device, no sync
     best = max((r['top1'] for r in history if r['kind'] == 'eval'), default=0.0)
     t_loop = time.time()
-
-    def add_train_row(i):  # metrics.jsonl: steps row_start..i of this epoch (sums[0]), once they are all finite
-        check_finite(first_bad, steps, saved)
-        loss_sum, correct, count = sums[0].tolist()
-        img_per_s = (i - row_start) * args.batch_size / (time.time() - t_row)
-        history.append({'kind': 'train', 'epoch': epoch + 1, 'step': step, 'lr': lr, 'loss': loss_sum / count,
-                        'acc': 100 * correct / count, 'img_per_s': img_per_s, 'elapsed_s': time.time() - t_start})
-
     try:
         for epoch in range(start_epoch, args.epochs):
             # Every draw of this epoch comes from (seed, epoch, rank): an exact resume at an epoch boundary, and
@@ -548,8 +547,10 @@ def main(argv=None):
                 sums[:, :2] += torch.stack([loss * len(y), (out.detach().argmax(1) == y).sum()])
                 sums[:, 2] += len(y)
                 if args.log_every and (i + 1) % args.log_every == 0 and i + 1 < steps:
-                    if master:  # (rank 0's images: no collective mid-epoch)
-                        add_train_row(i + 1)  # (reading first_bad is the host sync, every N steps)
+                    if master:  # (rank 0's images: no collective mid-epoch; reading first_bad is the host sync)
+                        check_finite(first_bad, steps, saved)
+                        history.append(train_row(epoch, step, lr, sums[0], (i + 1 - row_start) * args.batch_size,
+                                                 t_row, t_start))
                         save_atomic(out_dir / 'metrics.jsonl', history)
                         eta = (time.time() - t_loop) / (step - start_epoch * steps) * (args.epochs * steps - step)
                         print(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
@@ -558,7 +559,8 @@ def main(argv=None):
             if ddp:
                 dist.all_reduce(sums)
                 dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
-            add_train_row(steps)
+            check_finite(first_bad, steps, saved)
+            history.append(train_row(epoch, step, lr, sums[0], (steps - row_start) * args.batch_size, t_row, t_start))
             if ddp:  # evaluate (and save) exactly rank 0's BatchNorm statistics on every rank
                 for buf in raw.buffers():
                     dist.broadcast(buf, 0)

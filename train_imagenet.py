@@ -17,19 +17,14 @@ import itertools
 import json
 import math
 import os
-import pickle
 import sys
-import tempfile
 import time
-import zipfile
-from ast import literal_eval
+from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
-from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torchvision import datasets
 from torchvision.transforms import v2
@@ -38,10 +33,10 @@ import convmixer
 import mixer
 import vit
 from sam import SAM, first_pass, second_pass
-
-
-class UserError(Exception):
-    """A mistake in the command line, the data or a file: one line on stderr, exit status 1."""
+# train_cifar's run-folder, checkpoint and message helpers: one implementation for both scripts
+import train_cifar
+from train_cifar import (UserError, epoch_seed, fmt_time, load_weights, one_line, parse_model_kw, prepare_out,
+                         read_checkpoint, save_atomic)
 
 
 # -----------------------------------------------------------------------------
@@ -148,7 +143,8 @@ def get_args(argv=None):
         if getattr(args, name) and not os.path.isfile(getattr(args, name)):
             raise UserError(f'--{name}: no such file: {getattr(args, name)}')
     source = args.resume or args.checkpoint or args.pretrained
-    run = stored_args(source) if source else None
+    which = '--resume' if args.resume else '--checkpoint' if args.checkpoint else '--pretrained'
+    run = stored_args(source, which) if source else None
     if args.resume and run is None:
         raise UserError(f'--resume {args.resume} is not a last.pt of train_imagenet.py (to evaluate weights use '
                         '--eval-only --checkpoint)')
@@ -242,7 +238,7 @@ class ResumableSampler(torch.utils.data.DistributedSampler):
 def seed_epoch(seed, epoch, rank, start, worker_seeds):
     """Re-seed every RNG from (seed, epoch, rank, first step): a resume at an epoch boundary draws exactly what
     the uninterrupted run drew, and every rank draws its own augmentation."""
-    s = int(np.random.SeedSequence([seed, epoch, rank, start]).generate_state(1)[0])
+    s = epoch_seed(seed, epoch, rank, start)
     torch.manual_seed(s)  # mixup, dropout (and the augmentation with --workers 0)
     worker_seeds.manual_seed(s)  # the loader workers' augmentation
 
@@ -252,24 +248,13 @@ def seed_epoch(seed, epoch, rank, start, worker_seeds):
 RESNETS = {name: getattr(torchvision.models, name) for name in ('resnet50', 'resnet101', 'resnet152')}
 
 
-def parse_model_kw(items):
-    kw = {}
-    for key, sep, value in (item.partition('=') for item in items):
-        if not sep or key in ('num_classes', 'img_size'):
-            raise UserError(f'--model-kw {key}{sep}{value}: expected KEY=VALUE; the class count comes from --data, '
-                            'the size from --img-size')
-        try:
-            kw[key] = literal_eval(value)
-        except (ValueError, SyntaxError):
-            kw[key] = value  # a bare word such as gelu=tanh
-    return kw
-
-
 def build_model(name, num_classes, img_size, model_kw):
     """ViT/Mixer get img_size (position embedding, token MLP); ConvMixer and ResNet take any size."""
     names = [*vit.configs, *mixer.configs, *convmixer.configs, *RESNETS]
     if name not in names:
         raise UserError(f'unknown model {name!r}; valid names: {", ".join(names)}')
+    if given := [f'{k}={v}' for k, v in model_kw.items() if k in ('num_classes', 'img_size')]:
+        raise UserError(f'--model-kw {" ".join(given)}: the class count comes from --data, the size from --img-size')
     try:
         if name in RESNETS:
             return RESNETS[name](num_classes=num_classes, **model_kw)
@@ -281,66 +266,11 @@ def build_model(name, num_classes, img_size, model_kw):
         raise UserError(f'--model {name} --img-size {img_size} --model-kw {kw}: {e}') from None
 
 
-LOAD_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile)
-
-
-def torch_load(path, mmap=False):
-    """Tensors and plain containers only; timm's train checkpoints also hold an argparse.Namespace."""
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
-
-
-def stored_args(path):
+def stored_args(path, flag):
     """The flags of the run that wrote `path` if it is one of our last.pt files, else None."""
-    try:
-        ckpt = torch_load(path, mmap=True)  # mmap: reads only what is used
-    except LOAD_ERRORS:
-        return None
+    ckpt = None if path.endswith('.npz') else read_checkpoint(path, flag)
     ours = isinstance(ckpt, dict) and {'model', 'optimizer', 'scaler', 'step', 'history', 'args'} <= ckpt.keys()
     return ckpt['args'] if ours else None
-
-
-def one_line(e, limit=600):
-    text = ' '.join(str(e).split())  # torch's strict-load message spans lines
-    return text if len(text) <= limit else text[:limit] + ' ...'
-
-
-def load_weights(model, path, finetune=False):
-    """Load strictly: our last.pt, a timm state_dict or train checkpoint, locuslab's ConvMixer .pth.tar, a
-    torchvision ResNet, or an official JAX .npz; 'module.' and '_orig_mod.' prefixes go. A head for another class
-    count is refused, or with finetune replaced by the model's own, which also resamples a ViT position embedding
-    (ViT paper Sec. 3.2). Every failure is one UserError."""
-    what = f'--{"pretrained" if finetune else "checkpoint"} {path} ({type(model).__name__})'
-    try:
-        if path.endswith('.npz'):
-            if not isinstance(model, (vit.VisionTransformer, mixer.MlpMixer)):
-                raise UserError(f'{what}: an .npz holds an official JAX ViT or Mixer')
-            sd = (vit if isinstance(model, vit.VisionTransformer) else mixer).load_npz(path)
-        else:
-            sd = torch_load(path)
-            sd = sd.get('model', sd.get('state_dict', sd)) if isinstance(sd, dict) else sd
-            if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-                raise UserError(f'{what}: no state_dict in the file (bare, or under "model" or "state_dict")')
-            for prefix in ('module.', '_orig_mod.'):
-                consume_prefix_in_state_dict_if_present(sd, prefix)
-            sd = convmixer.from_locuslab(sd) if isinstance(model, convmixer.ConvMixer) else sd
-        own, head = model.state_dict(), 'fc' if isinstance(model, torchvision.models.ResNet) else 'head'
-        theirs, mine = sd.get(head + '.weight'), own[head + '.weight']
-        if theirs is not None and theirs.shape[0] != mine.shape[0]:
-            if not finetune:
-                raise UserError(f'{what}: its head has {theirs.shape[0]} classes, --data {mine.shape[0]}; '
-                                'evaluating with an untrained head means nothing')
-            sd[head + '.weight'], sd[head + '.bias'] = mine, own[head + '.bias']
-        if finetune and isinstance(model, vit.VisionTransformer):
-            sd['pos_embed'] = vit.resample_pos_embed(sd['pos_embed'], model.grid, model.num_prefix_tokens)
-        tokens = 'blocks.0.mlp_tokens.fc1.weight'  # Mixer's W1, (D_S, S): tied to the token count S
-        if finetune and isinstance(model, mixer.MlpMixer) and sd[tokens].shape[1] != own[tokens].shape[1]:
-            raise UserError(f'{what}: a Mixer\'s token-mixing MLP is tied to its token count ({sd[tokens].shape[1]} '
-                            f'in the checkpoint, {own[tokens].shape[1]} at --img-size {model.img_size}); fine-tune it '
-                            'at the resolution it was trained at')
-        model.load_state_dict(sd)
-    except LOAD_ERRORS as e:
-        raise UserError(f'{what}: {type(e).__name__}: {one_line(e)}') from None
 
 
 # -----------------------------------------------------------------------------
@@ -381,9 +311,8 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
 
 def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):
     """The LR of optimizer step `step` (0-based)."""
-    if sched == 'onecycle':  # locuslab: np.interp(t, [0, E*2//5, E*4//5, E], [0, lr, lr/20, 0]), t in epochs
-        E = epochs
-        return peak * float(np.interp((step + 1) / steps_per_epoch, [0, E * 2 // 5, E * 4 // 5, E], [0, 1, 1 / 20, 0]))
+    if sched == 'onecycle':  # locuslab's, as train_cifar.py runs it (t in epochs)
+        return train_cifar.lr_at((step + 1) / steps_per_epoch, epochs, peak)
     if step < warmup:  # linear (SAM paper), cosine (ViT fine-tuning): linear warmup, then decay to 0
         return peak * (step + 1) / warmup
     t = (step - warmup) / max(1, epochs * steps_per_epoch - warmup)  # 0 -> 1 over the decay
@@ -415,54 +344,14 @@ def evaluate(model, loader, amp_dtype=None, channels_last=False, distributed=Fal
 
 
 # -----------------------------------------------------------------------------
-# Output: every file written atomically; a failed write ends the run and keeps the previous file.
-def check_out(out, resume, overwrite):
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UserError(f'--out {out} is a file, not a folder')
-    held = [f for f in ('last.pt', 'metrics.jsonl', 'args.json') if os.path.exists(os.path.join(out, f))]
-    if held and not overwrite and not (resume and os.path.samefile(os.path.dirname(os.path.abspath(resume)), out)):
-        raise UserError(f'--out {out} already holds a run ({", ".join(held)}); use --resume '
-                        f'{os.path.join(out, "last.pt")}, or pick another --out, or pass --overwrite')
-    try:
-        os.makedirs(out, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()  # a real write: permission bits do not stop root
-    except OSError as e:
-        raise UserError(f'--out {out} is not writable: {e.strerror or e}') from None
-
-
-def save_atomic(path, obj):
-    """torch.save(obj), or a str, into PATH.tmp, then os.replace: a crash leaves the old file or the new one. A
-    failed write (a full disk) removes PATH.tmp, keeps the previous PATH and ends the run with one line."""
-    try:
-        with open(path + '.tmp', 'wb') as f:  # torch.save into a file object: a full disk is an OSError with errno
-            f.write(obj.encode()) if isinstance(obj, str) else torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + '.tmp', path)
-    except (OSError, RuntimeError) as e:
-        kept = f'the previous {os.path.basename(path)} is intact' if os.path.exists(path) else 'nothing was saved there'
-        raise UserError(f'could not write {path}: {getattr(e, "strerror", None) or one_line(e)}; {kept}') from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path + '.tmp')
-
-
-def jsonl(history):
-    return ''.join(json.dumps(r, allow_nan=False) + '\n' for r in history)
-
-
+# Output: every file written atomically (train_cifar.save_atomic); a failed write ends the run, keeps the old file.
 def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info):
     """last.pt first: if it cannot be written, nothing of the run has changed. info: vars(args) and more."""
-    save_atomic(os.path.join(out, 'last.pt'), dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+    save_atomic(Path(out, 'last.pt'), dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
                 scaler=scaler.state_dict(), epoch=step // steps_per_epoch, step=step, steps_per_epoch=steps_per_epoch,
                 history=history, args=info))
-    save_atomic(os.path.join(out, 'metrics.jsonl'), jsonl(history))
-    save_atomic(os.path.join(out, 'args.json'), json.dumps(info, indent=1))
-
-
-def fmt_time(s):
-    s = int(round(s))
-    return f'{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}' if s >= 3600 else f'{s // 60}:{s % 60:02d}'
+    save_atomic(Path(out, 'metrics.jsonl'), history)
+    save_atomic(Path(out, 'args.json'), info)
 
 
 def since_checkpoint(path, saved):
@@ -504,7 +393,7 @@ def main(argv=None):
                             f'--accum-steps ({args.accum_steps})')
         args.out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else
                                 os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
-        check_out(args.out, args.resume, args.overwrite)
+        prepare_out(args)
     if distributed:
         dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
 
@@ -569,7 +458,7 @@ def main(argv=None):
     # --- resume: weights, optimizer, GradScaler, step and history; the RNGs are re-seeded in the loop -------
     step, history, saved, last = 0, [], None, os.path.join(args.out, 'last.pt')
     if args.resume:
-        ckpt = torch_load(args.resume)
+        ckpt = read_checkpoint(args.resume, '--resume')
         old = ckpt['args']
         if ckpt['steps_per_epoch'] != steps or old['batch_size'] != args.batch_size:
             raise UserError(f'--resume {args.resume}: that run has --batch-size {old["batch_size"]} and '
@@ -632,7 +521,7 @@ def main(argv=None):
                             f'{row["loss"]:.4f} | lr {lr:.2e} | {row["img_per_s"]:,.0f} img/s | eta '
                             f'{fmt_time((time.time() - t_loop) / (step - step0) * (total - step))}')
                         if master:
-                            save_atomic(os.path.join(args.out, 'metrics.jsonl'), jsonl(history))
+                            save_atomic(Path(args.out, 'metrics.jsonl'), history)
                     window, n_window, t_window = torch.zeros((), device=device), 0, time.time()
                 if args.save_every and step % args.save_every == 0 and step % steps:  # mid-epoch checkpoint
                     check_finite(first_bad, distributed, steps, last, saved)
