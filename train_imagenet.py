@@ -83,7 +83,8 @@ def flag(p, name, help, **kw):
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     a = functools.partial(flag, p)
-    a('--recipe', 'sam (the default), convmixer or finetune: the sources are cited in RECIPES', choices=list(RECIPES))
+    a('--recipe', 'sam (default; Chen et al. 2021 Sec. 3 + appendix), convmixer (the locuslab README\'s timm command) '
+      'or finetune (Dosovitskiy et al. 2021 App. B.1.1, vit_jax configs/common.py)', choices=list(RECIPES))
     a('--data', 'ImageNet root: train/<wnid>/*.JPEG and val/<wnid>/*.JPEG', metavar='DIR')
     a('--synthetic', 'random images instead of --data: throughput only', action='store_true', default=None)
     a('--img-size', 'training and evaluation resolution (px)', type=int)

@@ -372,3 +372,32 @@ def test_table1_never_replaces_a_table(tmp_path):
     with pytest.raises(G.UserError, match='already holds table1.json'):
         G.main(['table1', '--data', str(tmp_path), '--out', str(tmp_path)])
     assert (tmp_path / 'table1.json').read_text() == '{}'
+
+
+def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_path):
+    """--dataset imagenet --split test: every val image of DIR/val/<wnid>/*, resized to img_size / 0.875 and
+    centre-cropped (train_imagenet's eval), (x - 0.5) / 0.5 (the .npz's norm, no run of ours), labels from the
+    sorted class folders, the model drawn with --seed: lambda_max equals the one of the same model on the same
+    images read here by torchvision."""
+    import torchvision
+    from PIL import Image
+    from torchvision.transforms import v2
+    for wnid, src in (('n01', 'airplane'), ('n02', 'cat'), ('n03', 'ship')):
+        (tmp_path / 'in' / 'val' / wnid).mkdir(parents=True)
+        for f in sorted(os.listdir(os.path.join(cifar10_dir, 'test', src)))[:4]:  # 32 px -> 80 x 72 px JPEGs
+            Image.open(os.path.join(cifar10_dir, 'test', src, f)).convert('RGB').resize((80, 72)).save(
+                tmp_path / 'in' / 'val' / wnid / f.replace('.jpg', '.JPEG'))
+    kw = ['depth=1', 'dim=16', 'heads=2', 'patch_size=16']
+    G.main(['hessian', '--dataset', 'imagenet', '--data', str(tmp_path / 'in'), '--split', 'test', '--n', '12',
+            '--model', 'vit_ti16', '--model-kw', *kw, '--img-size', '32', '--iters', '20', '--tol', '1e-4',
+            '--out', str(tmp_path / 'out')])
+    got = json.load(open(tmp_path / 'out' / 'hessian.json'))
+    tf = v2.Compose([v2.Resize(36), v2.CenterCrop(32), v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True),
+                     v2.Normalize([0.5] * 3, [0.5] * 3)])  # int(32 / 0.875) = 36
+    ds = torchvision.datasets.ImageFolder(tmp_path / 'in' / 'val', tf)
+    x, y = torch.stack([ds[i][0] for i in range(12)]), torch.tensor(ds.targets)
+    torch.manual_seed(0)
+    model = vit.create('vit_ti16', num_classes=1000, img_size=32, depth=1, dim=16, heads=2, patch_size=16)
+    want = G.hessian_eigenvalue(model, F.cross_entropy, [(x, y)], iters=20, tol=1e-4)  # the same draws
+    assert got['n'] == 12 and got['dataset'] == 'imagenet' and y.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert got['lambda_max'] == pytest.approx(want, rel=1e-5)
