@@ -670,6 +670,7 @@ def main(argv=None):
             heatmap(r, os.path.join(args.out, 'heatmap.png'))
         print(f'done | {name} | {r["benchmark"]} | {train_cifar.fmt_time(r["wall_s"])} wall | {args.out}')
     if world > 1:
+        dist.barrier()  # rank 0 may still be writing: leave together (gloo aborts a one-sided teardown)
         dist.destroy_process_group()
     return r
 

@@ -204,6 +204,7 @@ def _ddp_worker(rank, world, port, out):
             opt.zero_grad(set_to_none=True)
         torch.save({'final': _params(model), 'before': before, 'perturbed': perturbed, 'scale': scaler.get_scale()},
                    os.path.join(out, f'rank{rank}.pt'))
+        dist.barrier()  # leave together: gloo aborts a rank whose peer tore down first
     finally:
         dist.destroy_process_group()
 

@@ -419,6 +419,7 @@ for x, y in t.fixed_batches():  # rank r: images 8r ... 8r + 7, as 2 micro-batch
                   sam=True, clip_grad=0)
 if rank == 0:
     torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), sys.argv[1])
+dist.barrier()  # leave together: gloo aborts a rank whose peer tore down first ("terminate called ...")
 dist.destroy_process_group()
 '''
 
