@@ -44,10 +44,9 @@ NUM_CLASSES = {'cifar10': 10, 'cifar100': 100}
 MEAN = {'cifar10': (0.4914, 0.4822, 0.4465), 'cifar100': (0.5071, 0.4865, 0.4409)}
 STD = {'cifar10': (0.2471, 0.2435, 0.2616), 'cifar100': (0.2673, 0.2564, 0.2762)}
 MODEL_FILES = (convmixer, vit, mixer)
-# Defaults of the flags left unset. finetune: the ViT paper's (Dosovitskiy et al. 2021, App. B.1.1) as
-# vit_jax/configs/common.py and train.py run it on CIFAR: SGD momentum 0.9, no weight decay, base lr 0.03, batch
-# 512, 10,000 steps (~100 epochs), warm-up 500 steps (5%) then cosine, global-norm clip 1.0, Inception crop +
-# flip (input_pipeline.py: area 0.05-1; square here), inputs (x - 0.5) / 0.5 as the released weights expect.
+# Defaults of the flags left unset. finetune: the ViT paper's CIFAR fine-tuning (Dosovitskiy et al. 2021, App. B.1.1;
+# vit_jax configs/common.py, train.py, input_pipeline.py): SGD momentum 0.9, batch 512, 10,000 steps (~100 epochs),
+# warm-up then cosine, Inception crop (square here) + flip, inputs (x - 0.5) / 0.5 as the released weights expect.
 RECIPES = {'locuslab': {}, 'finetune': dict(epochs=100, lr=0.03, wd=0.0, clip_grad=1.0, scale=0.05, randaug_n=0)}
 WARMUP = 0.05  # finetune: the warm-up's share of all steps (500 of 10,000)
 RUN_FILES = ('last.pt', 'metrics.jsonl', 'args.json')
@@ -128,15 +127,10 @@ def get_args(argv=None):
     elif args.resume:
         raise UserError(f'--resume {run} is not a train_cifar.py checkpoint (it lacks some of {RUN_KEYS})')
     args.out = args.out or (str(Path(args.resume).parent) if args.resume else 'runs/cifar')
-    positive = ('epochs', 'batch_size', 'eval_batch_size', 'img_size', 'adv_steps')
-    for k in positive + ('train_subset', 'test_subset', 'log_every', 'randaug_n', 'seed', 'lr', 'wd', 'rho',
-                         'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'):
-        v, least = getattr(args, k), 1 if k in positive else 0
-        if not (math.isfinite(v) and v >= least):
-            raise UserError(f"--{k.replace('_', '-')} must be a finite number >= {least}, got {v}")
-    if not (0 <= args.randaug_m <= 30 and 0 < args.scale <= 1 and args.reprob <= 1 and args.label_smoothing < 1):
-        raise UserError(f'need --randaug-m in 0..30 (got {args.randaug_m}), --scale in (0, 1] ({args.scale}), '
-                        f'--reprob <= 1 ({args.reprob}), --label-smoothing < 1 ({args.label_smoothing})')
+    check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'img_size', 'adv_steps', 'scale'],
+                 ['train_subset', 'test_subset', 'log_every', 'randaug_n', 'randaug_m', 'seed', 'lr', 'wd', 'rho',
+                  'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'],
+                 dict(randaug_m=30, scale=1, reprob=1, label_smoothing=1))
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
         raise UserError('--eval-only evaluates --checkpoint PATH (not --resume); --checkpoint is for --eval-only')
     if args.pretrained and (args.resume or args.eval_only):
@@ -147,8 +141,16 @@ def get_args(argv=None):
                              all(0 <= c < NUM_CLASSES[args.dataset] for c in args.classes)):
         raise UserError(f'--classes needs 2 or more distinct labels of {args.dataset} (0..'
                         f'{NUM_CLASSES[args.dataset] - 1}), got {args.classes}')
-    parse_model_kw(args.model_kw)
     return args
+
+
+def check_ranges(args, positive, non_negative, at_most):
+    """Every flag named is a finite number, > 0 (positive) or >= 0, and at most at_most[flag] where given."""
+    for key in positive + non_negative:
+        v, most = getattr(args, key), at_most.get(key, math.inf)
+        if not (math.isfinite(v) and (v > 0 if key in positive else v >= 0) and v <= most):
+            raise UserError(f'--{key.replace("_", "-")} must be a finite number {"> 0" if key in positive else ">= 0"}'
+                            + (f' and <= {most}' if key in at_most else '') + f', got {v}')
 
 
 def parse_model_kw(items):
@@ -169,7 +171,6 @@ def load_cifar(root, dataset, train, subset=0, classes=None):
     from torchvision's CIFAR folder in root (downloaded when absent). subset: the first subset/C per class.
     classes: only these, relabelled 0..k-1 in this order."""
     root, num_classes, split = Path(root), NUM_CLASSES[dataset], 'train' if train else 'test'
-    pick = classes or num_classes
     if not ((root / 'train').is_dir() and (root / 'test').is_dir()):
         cls = {'cifar10': torchvision.datasets.CIFAR10, 'cifar100': torchvision.datasets.CIFAR100}[dataset]
         try:
@@ -177,11 +178,10 @@ def load_cifar(root, dataset, train, subset=0, classes=None):
         except (OSError, RuntimeError) as e:  # offline (URLError is an OSError), or a download failing its md5
             found = 'files that fail their md5 check' if (root / cls.base_folder).exists() else f'no {dataset}'
             raise UserError(f'{root} holds {found}, and torchvision could not download it ({one_line(e)}). Fetch '
-                            f'{cls.url} and extract it into {root}, or pass --data DIR with DIR/train/<class>/*.png '
-                            'and DIR/test/<class>/*.png')
-        x, y = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(ds.targets)
-        keep = balanced_subset(y, subset, pick) if subset or classes else slice(None)
-        return x[keep], relabel(y[keep], classes)
+                            f'{cls.url} into {root}, or pass --data DIR with DIR/train/<class>/*, DIR/test/<class>/*')
+        labels = torch.tensor(ds.targets)
+        keep = balanced_subset(labels, subset, classes or num_classes)
+        return torch.from_numpy(ds.data[keep.numpy()]).permute(0, 3, 1, 2).contiguous(), relabel(labels[keep], classes)
     try:  # torchvision's ImageFolder: the sorted class folders, their index is the label
         ds = torchvision.datasets.ImageFolder(root / split)
     except FileNotFoundError as e:  # an empty class folder, or none at all
@@ -192,7 +192,7 @@ def load_cifar(root, dataset, train, subset=0, classes=None):
                         f'{split}: {sorted(set(ds.classes) - set(train_classes))}, only in train: '
                         f'{sorted(set(train_classes) - set(ds.classes))}')
     labels = torch.tensor(ds.targets)
-    keep = balanced_subset(labels, subset, pick) if subset or classes else torch.arange(len(labels))
+    keep = balanced_subset(labels, subset, classes or num_classes)
     x = []
     for path, _ in (ds.samples[i] for i in keep):  # ~30 us per 32x32 image
         try:
@@ -377,35 +377,56 @@ def resize(x, img_size):  # (B, 3, 32, 32) -> (B, 3, img_size, img_size), biline
     return x if x.shape[-1] == img_size else F.interpolate(x, size=img_size, mode='bilinear', antialias=False)
 
 
-@torch.no_grad()
 def evaluate(model, x_u8, y, mean, std, batch_size=1024, rank=0, world=1, autocast=None, channels_last=False,
              img_size=32):
-    """Mean loss and top-1/top-5 accuracy (%) on uint8 images, exact under DDP: rank r takes the images
-    [r*N/W, (r+1)*N/W) and the sums are all-reduced (no padding, no duplicates)."""
-    model.eval()
+    """score() on uint8 images, exact under DDP: rank r takes the images [r*N/W, (r+1)*N/W)."""
     lo, hi = len(y) * rank // world, len(y) * (rank + 1) // world
-    sums = torch.zeros(4, dtype=torch.float64, device=x_u8.device)  # loss, top-1, top-5, images
-    for s in range(lo, hi, batch_size):
-        xb, yb = resize(normalize(x_u8[s:min(s + batch_size, hi)], mean, std), img_size), y[s:min(s + batch_size, hi)]
+    fmt = torch.channels_last if channels_last else torch.preserve_format
+    batches = ((resize(normalize(xb, mean, std), img_size).to(memory_format=fmt), yb)
+               for xb, yb in zip(x_u8[lo:hi].split(batch_size), y[lo:hi].split(batch_size)))
+    return score(model, batches, autocast, world > 1)
+
+
+@torch.no_grad()
+def score(model, batches, autocast=None, distributed=False):
+    """Mean loss and top-1/top-5 accuracy (%) of model (in eval mode) on (x, y) batches; distributed: over all ranks."""
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=next(model.parameters()).device)  # loss, top-1, top-5, images
+    for x, y in batches:
         with autocast or nullcontext():
-            out = model(xb.contiguous(memory_format=torch.channels_last) if channels_last else xb).float()
-        hits = out.topk(min(5, out.shape[1]), dim=1).indices == yb[:, None]
-        sums[:3] += torch.stack([F.cross_entropy(out, yb, reduction='sum').double(), hits[:, 0].sum(),
+            out = model(x).float()
+        hits = out.topk(min(5, out.shape[1]), dim=1).indices == y[:, None]
+        sums[:3] += torch.stack([F.cross_entropy(out, y, reduction='sum').double(), hits[:, 0].sum(),
                                  hits.any(1).sum()])
-        sums[3] += len(yb)
-    if world > 1:
+        sums[3] += len(y)  # a Python number: no host-to-device copy (which would sync)
+    if distributed:
         dist.all_reduce(sums)
     loss, top1, top5, n = sums.tolist()
     return {'loss': loss / n, 'top1': 100 * top1 / n, 'top5': 100 * top5 / n, 'correct': int(top1), 'n': int(n)}
 
 
-def check_finite(first_bad, steps, saved):
-    """Stop on divergence. first_bad: the first step with a non-finite loss, or NO_STEP (reading it syncs)."""
+def check_finite(first_bad, steps, saved, unit='epoch', distributed=False):
+    """Stop on divergence. first_bad: the first step with a non-finite loss, or NO_STEP; reading it syncs, and
+    distributed (a collective, on every rank) takes the first of all ranks."""
+    if distributed:
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
     if (bad := int(first_bad)) != NO_STEP:
-        kept = f'the last good checkpoint is {saved[0]} (epoch {saved[1]})' if saved[0] else 'no checkpoint was saved'
         raise UserError(f'training diverged: the loss is not finite from epoch {(bad - 1) // steps + 1}, step '
-                        f'{(bad - 1) % steps + 1}/{steps} on; nothing was saved after it; {kept}. Lower --lr or '
-                        'clip with --clip-grad')
+                        f'{(bad - 1) % steps + 1}/{steps} on; nothing was saved after it; '
+                        f'{since_checkpoint(saved, unit)}. Lower --lr or clip with --clip-grad')
+
+
+def since_checkpoint(saved, unit='epoch'):
+    """Where a stopped run goes on from. saved: (path, epoch or step) of its last checkpoint; path None: none."""
+    path, at = saved
+    return f'the last checkpoint is {path} ({unit} {at}); continue with --resume {path}' if path else \
+        'no checkpoint was saved'
+
+
+def leave(distributed):
+    if distributed:
+        dist.barrier()  # rank 0 may still be writing: leave together (gloo aborts a one-sided teardown)
+        dist.destroy_process_group()
 
 
 def train_row(epoch, step, lr, sums, images, t_row, t_start):
@@ -416,8 +437,7 @@ def train_row(epoch, step, lr, sums, images, t_row, t_start):
 
 
 def restore(ckpt, opt, scaler, args, not_inherited, log):
-    """--resume: the optimizer and GradScaler state (loss scale, growth counter) of last.pt; the flags that
-    differ from the run's are printed. Returns (epoch, step, history)."""
+    """--resume: last.pt's optimizer and GradScaler state; prints the flags that differ. -> (epoch, step, history)"""
     try:
         opt.load_state_dict(ckpt['optimizer'])
     except (ValueError, KeyError, RuntimeError) as e:
@@ -472,9 +492,7 @@ def main(argv=None):
                      args.channels_last, args.img_size)
         log(f'eval | {args.checkpoint} | {args.model} on {args.dataset} | test loss {r["loss"]:.4f} acc '
             f'{r["top1"]:.2f}% ({r["correct"]}/{r["n"]}) top-5 {r["top5"]:.2f}% | world {world}', flush=True)
-        if ddp:
-            dist.barrier()  # leave together: gloo aborts a rank whose peer has gone
-            dist.destroy_process_group()
+        leave(ddp)
         return
     if len(train_y) < args.batch_size:
         raise UserError(f'the training set has {len(train_y)} images, fewer than --batch-size {args.batch_size}')
@@ -500,12 +518,10 @@ def main(argv=None):
         f' | aug {args.aug} | amp {amp} | {device}')
     last, epoch, saved = out_dir / 'last.pt', start_epoch, (args.resume, start_epoch)  # saved: the last good one
     first_bad = torch.full((), NO_STEP, device=device)  # first non-finite loss: kept on the device, no sync
-    best = max((r['top1'] for r in history if r['kind'] == 'eval'), default=0.0)
     t_loop = time.time()
     try:
         for epoch in range(start_epoch, args.epochs):
-            # Every draw of this epoch comes from (seed, epoch, rank): an exact resume at an epoch boundary, and
-            # each rank its own augmentation (and dropout). One data order for all ranks; rank r takes its slice.
+            # (seed, epoch, rank): each rank its own augmentation and dropout; one data order, rank r takes its slice
             torch.manual_seed(epoch_seed(args.seed, epoch, rank))
             augment.generator.manual_seed(epoch_seed(args.seed, epoch, rank))
             perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(epoch_seed(args.seed, epoch)))
@@ -523,8 +539,7 @@ def main(argv=None):
                         x = (pgd(eval_model, x * std + mean, y, args.adv_eps / 255, args.adv_alpha / 255,
                                  args.adv_steps, normalize=lambda v: (v - mean) / std) - mean) / std
                 x = x.contiguous(memory_format=torch.channels_last) if args.channels_last else x
-                # SAM (Foret et al. Alg. 1, sam.py): eps-hat from this rank's own batch (m-sharpness), so
-                # under DDP the first gradient is not all-reduced; BatchNorm statistics from that pass only.
+                # SAM (Alg. 1, sam.py): eps-hat and BatchNorm statistics from this rank's first pass alone (m-sharpness)
                 with first_pass(model) if args.sam else nullcontext():
                     with autocast:
                         out = fwd(x)
@@ -559,8 +574,7 @@ def main(argv=None):
                     sums[0], t_row, row_start = 0, time.time(), i + 1  # on every rank: the next row's window
             if ddp:
                 dist.all_reduce(sums)
-                dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
-            check_finite(first_bad, steps, saved)
+            check_finite(first_bad, steps, saved, distributed=ddp)
             history.append(train_row(epoch, step, lr, sums[0], (steps - row_start) * args.batch_size, t_row, t_start))
             if ddp:  # evaluate (and save) exactly rank 0's BatchNorm statistics on every rank
                 for buf in raw.buffers():
@@ -568,7 +582,7 @@ def main(argv=None):
             r = evaluate(eval_model, test_x, test_y, mean, std, args.eval_batch_size, rank, world, autocast,
                          args.channels_last, args.img_size)
             history.append({'kind': 'eval', 'epoch': epoch + 1, 'step': step, **r, 'elapsed_s': time.time() - t_start})
-            best, (loss_sum, correct, count) = max(best, r['top1']), sums[1].tolist()
+            loss_sum, correct, count = sums[1].tolist()
             eta = (time.time() - t_loop) / (step - start_epoch * steps) * (args.epochs * steps - step)
             log(f'ep {epoch + 1}/{args.epochs} | train loss {loss_sum / count:.4f} acc {100 * correct / count:.2f}% | '
                 f'test loss {r["loss"]:.4f} acc {r["top1"]:.2f}% | {time.time() - t_epoch:.1f} s | eta {fmt_time(eta)}',
@@ -581,15 +595,12 @@ def main(argv=None):
                 save_atomic(out_dir / 'metrics.jsonl', history)
                 save_atomic(out_dir / 'args.json', run_args)
     except KeyboardInterrupt:
-        kept = f'the last checkpoint is {saved[0]} (epoch {saved[1]}); continue with --resume {saved[0]}'
-        log(f'train_cifar.py: interrupted in epoch {epoch + 1}; {kept if saved[0] else "no checkpoint was saved"}',
-            file=sys.stderr)
+        log(f'train_cifar.py: interrupted in epoch {epoch + 1}; {since_checkpoint(saved)}', file=sys.stderr)
         sys.exit(130)
+    best = max(r['top1'] for r in history if r['kind'] == 'eval')
     log(f'done | {args.model} on {args.dataset} | epoch {args.epochs}/{args.epochs} | test acc {r["top1"]:.2f}% '
         f'(best {best:.2f}%) | {fmt_time(time.time() - t_start)} wall | {last}', flush=True)
-    if ddp:
-        dist.barrier()  # rank 0 may still be saving; leave together (gloo aborts on a one-sided teardown)
-        dist.destroy_process_group()
+    leave(ddp)
 
 
 if __name__ == '__main__':

@@ -33,10 +33,10 @@ import convmixer
 import mixer
 import vit
 from sam import SAM, first_pass, second_pass
-# train_cifar's run-folder, checkpoint and message helpers: one implementation for both scripts
+# train_cifar's run-folder, checkpoint, evaluation and message helpers: one implementation for both scripts
 import train_cifar
-from train_cifar import (UserError, epoch_seed, fmt_time, load_weights, one_line, parse_model_kw, prepare_out,
-                         read_checkpoint, save_atomic)
+from train_cifar import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, fmt_time, leave, load_weights,
+                         one_line, parse_model_kw, prepare_out, read_checkpoint, save_atomic, score, since_checkpoint)
 
 
 # -----------------------------------------------------------------------------
@@ -112,8 +112,7 @@ def get_args(argv=None):
     a('--opt', 'adamw (betas 0.9, 0.999) or sgd (momentum 0.9)', choices=['adamw', 'sgd'])
     a('--opt-eps', 'AdamW epsilon', type=float)
     a('--wd', 'weight decay of matrices and kernels only (AdamW: decoupled; SGD: L2)', type=float)
-    a('--sched', "warmup, then linear or cosine decay to 0; onecycle: locuslab's",
-      choices=['linear', 'cosine', 'onecycle'])
+    a('--sched', "warmup then linear/cosine decay to 0; onecycle: locuslab's", choices=['linear', 'cosine', 'onecycle'])
     a('--warmup-steps', 'linear warmup, in optimizer steps (linear, cosine)', type=int)
     a('--clip-grad', 'clip the global gradient norm at this value (0 = off)', type=float)
     a('--sam', 'Sharpness-Aware Minimization (Foret et al. 2020)', action=argparse.BooleanOptionalAction)
@@ -154,11 +153,7 @@ def get_args(argv=None):
     recipe = args.recipe or run.get('recipe') or 'sam'
     for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():  # later ones win
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    for key in POSITIVE + NON_NEGATIVE:  # the value as given: --lr, say, before the batch scaling
-        value, positive = getattr(args, key), key in POSITIVE
-        if not (math.isfinite(value) and (value > 0 if positive else value >= 0) and value <= AT_MOST.get(key, value)):
-            raise UserError(f'--{key.replace("_", "-")} must be a finite number {"> 0" if positive else ">= 0"}'
-                            + (f' and <= {AT_MOST[key]}' if key in AT_MOST else '') + f', got {value}')
+    check_ranges(args, POSITIVE, NON_NEGATIVE, AT_MOST)  # the value as given: --lr, say, before the batch scaling
     if not args.data and not args.synthetic:
         raise UserError(f'give --data DIR ({LAYOUT}), or --synthetic')
     with torch.device('meta'):  # every impossible model shape now, before anything slow (no memory used)
@@ -196,7 +191,7 @@ def eval_transform(img_size, crop_pct=0.875, interp='bilinear', norm='jax'):
 
 class ImageFolder(datasets.ImageFolder):
     """torchvision's, but an image PIL cannot decode comes back blank with label -1 - index: an exception in a
-    loader worker reaches the main process inside the worker's traceback, so check_decoded() names the file."""
+    loader worker reaches the main process inside the worker's traceback, so on_device() names the file."""
 
     def __init__(self, root, split, transform, img_size):
         if not os.path.isdir(os.path.join(root, split)):
@@ -214,10 +209,14 @@ class ImageFolder(datasets.ImageFolder):
             return torch.zeros(3, self.img_size, self.img_size), -1 - index
 
 
-def check_decoded(y, dataset):
-    if (y < 0).any():  # y is still on the CPU: no host sync
-        raise UserError(f'cannot decode the image {dataset.samples[-1 - int(y.min())][0]} (corrupt or truncated); '
-                        'replace or delete it')
+def on_device(loader, device, fmt):
+    """The loader's batches on the device; an image that could not be decoded (label < 0) is named while the labels
+    are still on the CPU (no host sync)."""
+    for x, y in loader:
+        if (y < 0).any():
+            raise UserError(f'cannot decode the image {loader.dataset.samples[-1 - int(y.min())][0]} (corrupt or '
+                            'truncated); replace or delete it')
+        yield x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):
@@ -275,7 +274,7 @@ def stored_args(path, flag):
 
 
 # -----------------------------------------------------------------------------
-# One optimizer step, with gradient accumulation and optionally SAM; the LR schedule; evaluation.
+# One optimizer step, with gradient accumulation and optionally SAM; the LR schedule.
 def accumulate(model, micro, scaler, label_smoothing, amp_dtype):
     """Backward of each micro-batch's loss / k: the sum is the gradient of the whole batch's mean loss (exactly so
     without BatchNorm). Under DDP only the last backward all-reduces."""
@@ -320,30 +319,6 @@ def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):
     return peak * (1 - t if sched == 'linear' else 0.5 * (1 + math.cos(math.pi * t)))
 
 
-@torch.no_grad()
-def evaluate(model, loader, amp_dtype=None, channels_last=False, distributed=False):
-    """Exact: rank r evaluates images r, r + W, ... (no padding, no duplicates); the counts are summed."""
-    was_training, device = model.training, next(model.parameters()).device
-    model.eval()
-    stats = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1, top-5, images
-    fmt = torch.channels_last if channels_last else torch.preserve_format
-    for x, y in loader:
-        check_decoded(y, loader.dataset)
-        x, y = x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(x).float()
-        hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]  # (B, 5)
-        stats[:3] += torch.stack([F.cross_entropy(logits, y, reduction='sum').double(), hit[:, 0].sum().double(),
-                                  hit.any(1).sum().double()])
-        stats[3] += len(y)  # a Python number: no host-to-device copy (which would sync)
-    if distributed:
-        dist.all_reduce(stats)
-    model.train(was_training)
-    loss, top1, top5, n = stats.tolist()
-    return dict(loss=loss / max(n, 1), top1=100 * top1 / max(n, 1), top5=100 * top5 / max(n, 1), correct=int(top1),
-                n=int(n))
-
-
 # -----------------------------------------------------------------------------
 # Output: every file written atomically (train_cifar.save_atomic); a failed write ends the run, keeps the old file.
 def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info):
@@ -355,22 +330,6 @@ def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info
     save_atomic(Path(out, 'args.json'), info)
 
 
-def since_checkpoint(path, saved):
-    return f'the last checkpoint is {path} (step {saved}); continue with --resume {path}' if saved else \
-        'no checkpoint was saved'
-
-
-def check_finite(first_bad, distributed, steps_per_epoch, path, saved):
-    """Stop a diverged run. A host sync: called at log lines and before saving only."""
-    if distributed:
-        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
-    if math.isfinite(s := first_bad.item()):
-        s = int(s)
-        raise UserError(f'training diverged: the loss is not finite from epoch {(s - 1) // steps_per_epoch + 1}, step '
-                        f'{(s - 1) % steps_per_epoch + 1}/{steps_per_epoch} on; nothing was saved after it; '
-                        f'{since_checkpoint(path, saved)}. Lower --lr or clip with --clip-grad')
-
-
 # -----------------------------------------------------------------------------
 def main(argv=None):
     # --- setup: arguments, processes, device, output folder --------------------------------------------
@@ -378,15 +337,15 @@ def main(argv=None):
     world, rank, local_rank = (int(os.environ.get(k, d)) for k, d in (('WORLD_SIZE', 1), ('RANK', 0),
                                                                       ('LOCAL_RANK', 0)))
     distributed, master = world > 1, rank == 0
-    log = functools.partial(print, flush=True) if master else (lambda *a: None)
+    log = functools.partial(print, flush=True) if master else (lambda *a, **k: None)
     device = torch.device('cuda', local_rank) if torch.cuda.is_available() else torch.device('cpu')
     if device.type == 'cuda':
         torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     bf16 = device.type == 'cuda' and torch.cuda.is_bf16_supported()
     amp = args.amp if args.amp != 'auto' else 'bf16' if bf16 else 'off'
     amp_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'off': None}[amp]
+    autocast = torch.autocast(device.type, amp_dtype, enabled=amp_dtype is not None)  # evaluation's
     fmt = torch.channels_last if args.channels_last else torch.preserve_format
     if not args.eval_only:
         if args.batch_size % (world * args.accum_steps):
@@ -402,9 +361,8 @@ def main(argv=None):
     train_tf = train_transform(args, *MEANS[args.norm])
     val_tf = eval_transform(args.img_size, args.crop_pct, args.eval_interp, args.norm)
     if args.synthetic:  # random images of ImageNet's counts (torchvision's FakeData): throughput without data
-        shape = (3, args.img_size, args.img_size)
-        train_set, val_set = (datasets.FakeData(n, shape, 1000, tf) for n, tf in ((1_281_167, train_tf),
-                                                                                   (50_000, val_tf)))
+        train_set = datasets.FakeData(1_281_167, (3, args.img_size, args.img_size), 1000, train_tf)
+        val_set = datasets.FakeData(50_000, (3, args.img_size, args.img_size), 1000, val_tf)
     else:
         val_set = ImageFolder(args.data, 'val', val_tf, args.img_size)
         train_set = None if args.eval_only else ImageFolder(args.data, 'train', train_tf, args.img_size)
@@ -414,7 +372,7 @@ def main(argv=None):
     num_classes = 1000 if args.synthetic else len(val_set.classes)
     loader_kw = dict(num_workers=args.workers, pin_memory=device.type == 'cuda')
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.eval_batch_size,
-                                             sampler=range(rank, len(val_set), world), **loader_kw)
+                                             sampler=range(rank, len(val_set), world), **loader_kw)  # exact: no padding
     if not args.eval_only:
         per_step, k = args.batch_size // world, args.accum_steps  # images per process per optimizer step
         sampler = ResumableSampler(len(train_set), world, rank, args.seed, per_step)
@@ -437,7 +395,7 @@ def main(argv=None):
     log(f'{args.model}: {sum(p.numel() for p in model.parameters()):,} parameters, {num_classes} classes, '
         f'{args.img_size} px, norm {args.norm}, {world} process(es) on {device.type}, amp {amp}')
     if args.eval_only:
-        res = evaluate(eval_model, val_loader, amp_dtype, args.channels_last, distributed)
+        res = score(eval_model, on_device(val_loader, device, fmt), autocast, distributed)
         log(f'eval {args.checkpoint} | test loss {res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% '
             f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
         leave(distributed)
@@ -457,7 +415,7 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(device.type, enabled=amp == 'fp16')
 
     # --- resume: weights, optimizer, GradScaler, step and history; the RNGs are re-seeded in the loop -------
-    step, history, saved, last = 0, [], None, os.path.join(args.out, 'last.pt')
+    step, history, saved, last = 0, [], (None, 0), os.path.join(args.out, 'last.pt')  # saved: the last checkpoint
     if args.resume:
         ckpt = read_checkpoint(args.resume, '--resume')
         old = ckpt['args']
@@ -472,7 +430,7 @@ def main(argv=None):
             raise UserError(f'--resume {args.resume} does not fit this run: {one_line(e)}') from None
         if ckpt['scaler']:  # {} when the run had no enabled GradScaler (not fp16)
             scaler.load_state_dict(ckpt['scaler'])
-        step, history, saved = ckpt['step'], ckpt['history'], ckpt['step']
+        step, history, saved = ckpt['step'], ckpt['history'], (args.resume, ckpt['step'])
         for key in RUN_KEYS:  # only flags given on this command line can differ from the run's
             if old.get(key) != getattr(args, key):
                 log(f'note: --{key.replace("_", "-")} {getattr(args, key)} from step {step} on (the run so far: '
@@ -487,9 +445,8 @@ def main(argv=None):
 
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     total, stop = args.epochs * steps, min(args.epochs * steps, args.max_steps or math.inf)
-    first_bad = torch.full((), math.inf, device=device)  # the first step with a non-finite loss, kept on the device
+    first_bad = torch.full((), NO_STEP, device=device)  # the first step with a non-finite loss, kept on the device
     evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step
-    train_model.train()
     try:
         for epoch in range(step // steps, math.ceil(stop / steps)):  # counted from 0 here, from 1 in the logs
             start = step % steps  # > 0: the rest of an epoch saved mid-way
@@ -498,9 +455,8 @@ def main(argv=None):
             sampler.start = start
             t_epoch = t_window = time.time()
             window, n_window, epoch_loss = torch.zeros((), device=device), 0, 0.0  # loss sum, steps
-            for x, y in itertools.islice(train_loader, min(stop - step, steps - start)):  # one optimizer step each
-                check_decoded(y, train_set)
-                x, y = x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
+            train_model.train()
+            for x, y in itertools.islice(on_device(train_loader, device, fmt), min(stop - step, steps - start)):
                 x, y = mix(x, y) if mix is not None else (x, y)  # mixup/cutmix: y -> (B, classes)
                 lr = lr_at(step, peak_lr, args.sched, args.warmup_steps, args.epochs, steps)
                 for group in optimizer.param_groups:
@@ -508,9 +464,9 @@ def main(argv=None):
                 loss = train_step(train_model, optimizer, scaler, list(zip(x.chunk(k), y.chunk(k))), sam=args.sam,
                                   clip_grad=args.clip_grad, label_smoothing=args.label_smoothing, amp_dtype=amp_dtype)
                 step, n_window, window = step + 1, n_window + 1, window + loss
-                first_bad = torch.minimum(first_bad, torch.where(loss.isfinite(), math.inf, step))
+                first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
                 if (args.log_every and step % args.log_every == 0) or step % steps == 0:  # a train row
-                    check_finite(first_bad, distributed, steps, last, saved)
+                    check_finite(first_bad, steps, saved, 'step', distributed)
                     if distributed:
                         dist.all_reduce(window)
                     history.append(row := dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=window.item()
@@ -525,46 +481,39 @@ def main(argv=None):
                             save_atomic(Path(args.out, 'metrics.jsonl'), history)
                     window, n_window, t_window = torch.zeros((), device=device), 0, time.time()
                 if args.save_every and step % args.save_every == 0 and step % steps:  # mid-epoch checkpoint
-                    check_finite(first_bad, distributed, steps, last, saved)
+                    check_finite(first_bad, steps, saved, 'step', distributed)
                     if master:
                         save_run(args.out, model, optimizer, scaler, step, steps, history, info)
-                    saved = step
+                    saved = (last, step)
             if step % steps:  # --max-steps ended the run mid-epoch
                 break
             if distributed:  # BatchNorm statistics: evaluate rank 0's, the ones the checkpoint holds
                 for b in model.buffers():
                     dist.broadcast(b, 0)
-            res = evaluate(eval_model, val_loader, amp_dtype, args.channels_last, distributed)
+            res = score(eval_model, on_device(val_loader, device, fmt), autocast, distributed)
             if not math.isfinite(res['loss']):
                 raise UserError(f'training diverged: the weights after epoch {epoch + 1} (step {step}) give a '
-                                f'non-finite test loss; {since_checkpoint(last, saved)}')
+                                f'non-finite test loss; {since_checkpoint(saved, "step")}')
             evals.append(dict(kind='eval', epoch=epoch + 1, step=step, **res, elapsed_s=time.time() - t_start))
             history.append(evals[-1])
             if master:
                 save_run(args.out, model, optimizer, scaler, step, steps, history, info)
-            saved = step
+            saved = (last, step)
             log(f'ep {epoch + 1}/{args.epochs} | train loss {epoch_loss / (steps - start):.4f} | test loss '
                 f'{res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% | {time.time() - t_epoch:.1f} s | '
                 f'eta {fmt_time((time.time() - t_loop) / (step - step0) * (total - step))}')
     except KeyboardInterrupt:
-        if master:
-            print(f'train_imagenet.py: interrupted in epoch {step // steps + 1}; {since_checkpoint(last, saved)}',
-                  file=sys.stderr)
+        log(f'train_imagenet.py: interrupted in epoch {step // steps + 1}; {since_checkpoint(saved, "step")}',
+            file=sys.stderr)
         sys.exit(130)
 
     if step < total:
-        log(f'stopped after --max-steps {args.max_steps}; {since_checkpoint(last, saved)}')
+        log(f'stopped after --max-steps {args.max_steps}; {since_checkpoint(saved, "step")}')
     else:
         log(f'done | {args.model} on imagenet | epoch {args.epochs}/{args.epochs} | test acc {evals[-1]["top1"]:.2f}% '
             f'(best {max(r["top1"] for r in evals):.2f}%) | {fmt_time(time.time() - t_start)} wall | {last}')
     leave(distributed)
     return evals[-1] if evals else None
-
-
-def leave(distributed):
-    if distributed:
-        dist.barrier()  # rank 0 may still be writing: leave together (gloo aborts a one-sided teardown)
-        dist.destroy_process_group()
 
 
 if __name__ == '__main__':

@@ -371,7 +371,7 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
     'test-classes-differ': (['--data', '{data}', '--out', '{dir}/o'], ['zz_airplane', 'airplane', 'class folders']),
     'empty-class-folder': (['--data', '{data}', '--out', '{dir}/o'], ['no valid file', 'cat']),
     'diverges': (['--resume', '{run}/last.pt', '--epochs', 3, '--lr', 1e30],
-                 ['diverged', 'epoch 3, step 2/4', 'last good checkpoint is', 'epoch 2']),
+                 ['diverged', 'epoch 3, step 2/4', 'the last checkpoint is {run}/last.pt (epoch 2)']),
     'lr-inf': (['--lr', 'inf'], ['--lr must be a finite number']),
     'depth-negative': (['--model-kw', 'depth=-1'], ['depth must be a positive integer', '-1']),
     'patch-5-at-32px': (['--model-kw', 'patch_size=5'], ['patch_size=5', 'does not divide 32 px']),
@@ -401,7 +401,7 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
     'resume-finished': (['--resume', '{run}/last.pt'], ['trained all 2 epochs', '--epochs']),
     'eval-only-wrong-weights': (['--eval-only', '--checkpoint', '{dir}/weights.pt'], ['does not fit', 'head.weight']),
     'eval-only-without-checkpoint': (['--eval-only'], ['--eval-only evaluates --checkpoint']),
-    'batch-size-0': (['--batch-size', 0], ['--batch-size must be', '>= 1']),
+    'batch-size-0': (['--batch-size', 0], ['--batch-size must be a finite number > 0, got 0']),
     'batch-not-divisible-by-world': (['--batch-size', 512], ['--batch-size 512 (global)', 'world size 3']),
     # issue 15's flags
     'pretrained-missing': (['--pretrained', '{dir}/nope.pt'], ['no such file', 'nope.pt']),
@@ -409,8 +409,8 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
                                ['--pretrained starts a new run']),
     'pretrained-mixer-tokens': (['--model', 'mixer_s16', '--model-kw', 'patch_size=4', 'dim=32', 'depth=1',
                                  '--img-size', 48, '--pretrained', '{dir}/mixer.pt'], ['Mixer of 64 tokens', '144']),
-    'img-size-0': (['--img-size', 0], ['--img-size must be', '>= 1']),
-    'adv-steps-0': (['--adv', 'pgd', '--adv-steps', 0], ['--adv-steps must be', '>= 1']),
+    'img-size-0': (['--img-size', 0], ['--img-size must be a finite number > 0, got 0']),
+    'adv-steps-0': (['--adv', 'pgd', '--adv-steps', 0], ['--adv-steps must be a finite number > 0, got 0']),
 }
 
 
