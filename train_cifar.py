@@ -219,14 +219,15 @@ def relabel(y, classes):  # --classes 5 6 7: labels 5, 6, 7 -> 0, 1, 2
     return torch.tensor([classes.index(c) for c in y.tolist()], dtype=torch.int64) if classes else y
 
 
-def resnet(name, num_classes):
+def resnet(name, num_classes, stem_stride=1):
     """resnet20: He et al. 2016 Sec. 4.2, 3x3 conv to 16, 3 stages of 3 BasicBlocks (16/32/64 channels at
-    32/16/8 px), pool, linear: 0.27M params. resnet18: torchvision's with the CIFAR stem (3x3, stride 1, no pool)."""
+    32/16/8 px), pool, linear: 0.27M params; stem_stride=2 (a deviation, for geometry.py table1's CPU budget)
+    halves every map: 4x fewer FLOPs. resnet18: torchvision's with the CIFAR stem (3x3, stride 1, no pool)."""
     if name == 'resnet18':
         model = torchvision.models.resnet18(num_classes=num_classes)
         model.conv1, model.maxpool = nn.Conv2d(3, 64, 3, padding=1, bias=False), nn.Identity()
     else:
-        layers = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True)]
+        layers = [nn.Conv2d(3, 16, 3, stem_stride, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True)]
         for c_in, c in ((16, 16), (16, 32), (32, 64)):
             # option (A) where the width doubles: subsample by 2, zero-pad the new channels (dims 1-3 of the batch)
             down = nn.Sequential(nn.MaxPool2d(1, 2), nn.ConstantPad3d((0, 0, 0, 0, 0, c - c_in), 0.0))
@@ -245,9 +246,10 @@ def build_model(name, num_classes, model_kw=None, img_size=32):
     if 'num_classes' in model_kw:
         raise UserError('--model-kw num_classes: the class count comes from --dataset')
     if name in ('resnet18', 'resnet20'):
-        if model_kw:
-            raise UserError(f'--model-kw {", ".join(model_kw)}: {name} takes no settings')
-        return resnet(name, num_classes)
+        if model_kw and not (name == 'resnet20' and model_kw.keys() == {'stem_stride'}
+                             and model_kw['stem_stride'] in (1, 2)):
+            raise UserError(f'--model-kw {", ".join(model_kw)}: resnet18 takes none; resnet20 only stem_stride=1 or 2')
+        return resnet(name, num_classes, **model_kw)
     module = next((m for m in MODEL_FILES if name in m.configs), None)
     if module is None:
         names = [n for m in MODEL_FILES for n in m.configs] + ['resnet18', 'resnet20']
