@@ -669,9 +669,7 @@ def main(argv=None):
         if 'acc' in r and not args.no_plot:
             heatmap(r, os.path.join(args.out, 'heatmap.png'))
         print(f'done | {name} | {r["benchmark"]} | {train_cifar.fmt_time(r["wall_s"])} wall | {args.out}')
-    if world > 1:
-        dist.barrier()  # rank 0 may still be writing: leave together (gloo aborts a one-sided teardown)
-        dist.destroy_process_group()
+    train_cifar.leave(world > 1)  # (a barrier first: rank 0 may still be writing)
     return r
 
 

@@ -517,9 +517,7 @@ def main(argv=None):
         log(f'eval | {args.checkpoint or f"random init, seed {args.seed}"} | {args.model} on {args.dataset} | '
             + ' | '.join(f'{r["protocol"]} acc {r["top1"]:.2f}% ({r["correct"]}/{r["n"]}) loss {r["loss"]:.4f}'
                          for r in rows) + f' | world {world}', flush=True)
-        if ddp:
-            dist.barrier()  # leave together: gloo aborts a rank whose peer has gone
-            dist.destroy_process_group()
+        train_cifar.leave(ddp)
         return
     n_train = len(data['train_y'])
     steps = n_train // B  # the last partial batch is dropped; the order changes every epoch
@@ -639,9 +637,7 @@ def main(argv=None):
         log(f'done | {args.model} on {args.dataset} | epoch {args.epochs}/{args.epochs} | '
             + ' | '.join(f'{p} acc {a[-1]:.2f}% (best {max(a):.2f}%)' for p, a in accs.items() if a)
             + f' | {train_cifar.fmt_time(time.time() - t_start)} wall | {last}', flush=True)
-    if ddp:
-        dist.barrier()  # rank 0 may still be saving; leave together
-        dist.destroy_process_group()
+    train_cifar.leave(ddp)  # (a barrier first: rank 0 may still be saving)
 
 
 if __name__ == '__main__':

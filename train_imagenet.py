@@ -137,15 +137,16 @@ def get_args(argv=None):
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
         raise UserError('--eval-only evaluates --checkpoint PATH (or --resume PATH, not both); --checkpoint is for '
                         '--eval-only')
-    if args.resume and (args.overwrite or args.pretrained):
-        raise UserError('--resume continues a run; --overwrite or --pretrained would start a new one')
+    if (args.resume or args.eval_only) and (args.overwrite or args.pretrained):
+        raise UserError('--resume and --eval-only load their own weights; --overwrite or --pretrained would start a '
+                        'new run')
     for name in ('resume', 'checkpoint', 'pretrained'):
         if getattr(args, name) and not os.path.isfile(getattr(args, name)):
             raise UserError(f'--{name}: no such file: {getattr(args, name)}')
     source = args.resume or args.checkpoint or args.pretrained
     which = '--resume' if args.resume else '--checkpoint' if args.checkpoint else '--pretrained'
     run = stored_args(source, which) if source else None
-    if args.resume and run is None:
+    if args.resume and 'steps_per_epoch' not in (run or {}):  # (a train_cifar.py last.pt has no steps_per_epoch)
         raise UserError(f'--resume {args.resume} is not a last.pt of train_imagenet.py (to evaluate weights use '
                         '--eval-only --checkpoint)')
     keys = RUN_KEYS if args.resume else EVAL_KEYS if args.eval_only else PRETRAINED_KEYS

@@ -558,6 +558,21 @@ def test_resnet20_is_he_et_al_cifar_resnet():
                                                                   (0, 0, 0, 0, 0, 16)))
 
 
+
+def test_resnet20_stem_stride_2_subsamples_the_stem_of_the_same_weights():
+    """--model-kw stem_stride=2 (geometry.py table1): the same parameters as resnet20, and the stem's output is
+    the stride-1 stem's at every other pixel (a 3x3 conv with padding 1: output (i, j) reads input (2i, 2j))."""
+    torch.manual_seed(0)
+    one, two = tc.build_model('resnet20', 10), tc.build_model('resnet20', 10, {'stem_stride': 2})
+    two.load_state_dict(one.state_dict())  # strict: the same keys and shapes
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(two[0](x), one[0](x)[:, :, ::2, ::2], rtol=0, atol=1e-6)
+    features = [one[:-3](x).shape[-1], two[:-3](x).shape[-1]]  # before pool, flatten, linear
+    assert features == [8, 4]
+    for kw in ({'stem_stride': 3}, {'width': 2}):
+        with pytest.raises(tc.UserError, match='resnet20 only stem_stride=1 or 2'):
+            tc.build_model('resnet20', 10, kw)
+
 def test_load_weights_reads_a_locuslab_file(tmp_path):
     """locuslab's flat nn.Sequential (their train.py's ConvMixer), saved as timm's train.py saves it:
     under 'state_dict', with DDP's 'module.' prefix. Our model must then give its logits."""

@@ -605,6 +605,9 @@ def bad_data(tiny_imagenet, tmp_path_factory):
     with zipfile.ZipFile(root / 'malformed.npz', 'w') as z:  # an .npz whose first array is not an .npy
         z.writestr('embedding/kernel.npy', b'\x93NUMPY garbage')
     torch.save({'head.weight': torch.zeros(10, 4)}, root / 'state_dict.pth')
+    # train_cifar.py's last.pt layout (tc.RUN_KEYS): one of our runs, but not of this script
+    torch.save({'model': {}, 'optimizer': {}, 'scaler': {}, 'epoch': 1, 'step': 1, 'history': [],
+                'args': {'model': 'vit_ti16', 'model_kw': []}}, root / 'cifar_last.pt')
     return root
 
 
@@ -661,13 +664,17 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
     'diverged': (RESUME + ['--lr', 1e30], ['training diverged: the loss is not finite from epoch 3, step 2/10 on; '
                                            'nothing was saved after it; the last checkpoint is {out}/last.pt '
                                            '(step 20)']),
-    'resume-and-overwrite': (RESUME + ['--overwrite'], ['--resume continues a run; --overwrite or --pretrained would start a new one']),
+    'resume-and-overwrite': (RESUME + ['--overwrite'], ['--resume and --eval-only load their own weights; --overwrite '
+                                                       'or --pretrained would start a new run']),
     'resume-and-pretrained': (RESUME + ['--pretrained', '{out}/last.pt'], ['--overwrite or --pretrained would start']),
     'pretrained-missing': (BASE + ['--pretrained', '{out}/nothing.pt'], ['--pretrained: no such file: {out}/nothing.pt']),
     'eval-checkpoint-and-resume': (EVAL + ['--checkpoint', '{out}/last.pt', '--resume', '{out}/last.pt'],
                                    ['(or --resume PATH, not both)']),
     'resume-missing': (RESUME + ['--resume', '{out}/nothing.pt'], ['--resume: no such file: {out}/nothing.pt']),
     'resume-not-ours': (RESUME + ['--resume', '{bad}/state_dict.pth'], ['is not a last.pt of train_imagenet.py']),
+    'resume-a-cifar-run': (RESUME + ['--resume', '{bad}/cifar_last.pt'], ['is not a last.pt of train_imagenet.py']),
+    'eval-only-and-pretrained': (EVAL + ['--checkpoint', '{out}/last.pt', '--pretrained', '{out}/last.pt'],
+                                 ['--overwrite or --pretrained would start a new run']),
     'resume-other-batch': (RESUME + ['--batch-size', 40],
                            ['--batch-size 20 and 10 steps per epoch, this one 40 and 5']),
     'resume-other-width': (RESUME + ['--model-kw', 'depth=2', 'dim=32', 'heads=2'],
