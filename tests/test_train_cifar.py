@@ -558,7 +558,6 @@ def test_resnet20_is_he_et_al_cifar_resnet():
                                                                   (0, 0, 0, 0, 0, 16)))
 
 
-
 def test_resnet20_stem_stride_2_subsamples_the_stem_of_the_same_weights():
     """--model-kw stem_stride=2 (geometry.py table1): the same parameters as resnet20, and the stem's output is
     the stride-1 stem's at every other pixel (a 3x3 conv with padding 1: output (i, j) reads input (2i, 2j))."""
@@ -572,6 +571,7 @@ def test_resnet20_stem_stride_2_subsamples_the_stem_of_the_same_weights():
     for kw in ({'stem_stride': 3}, {'width': 2}):
         with pytest.raises(tc.UserError, match='resnet20 only stem_stride=1 or 2'):
             tc.build_model('resnet20', 10, kw)
+
 
 def test_load_weights_reads_a_locuslab_file(tmp_path):
     """locuslab's flat nn.Sequential (their train.py's ConvMixer), saved as timm's train.py saves it:
