@@ -33,6 +33,7 @@ import mixer
 import train_cifar
 import vit
 from sam import SAM, first_pass, second_pass
+from train_cifar import UserError  # one user-error mechanism for every script: one line, exit 1
 
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
 # size on CPU, at full size on CUDA). --quick keeps the paper sizes but small batches, and runs
@@ -50,10 +51,6 @@ ROWS = {
 # Dense bf16 peak FLOP/s (data sheets, no sparsity); the first key in get_device_name() wins, else no MFU.
 PEAK_BF16 = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100': 989e12,
              'A100': 312e12, 'L40S': 362e12, 'L4': 121e12}
-
-
-class UserError(Exception):
-    pass
 
 
 def get_args(argv=None):

@@ -36,12 +36,9 @@ import convmixer
 import mixer
 import train_cifar
 import vit
+from train_cifar import UserError  # one user-error mechanism for every script: one line, exit 1
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
-
-
-class UserError(Exception):
-    """A mistake in the command line or its files: one line on stderr, exit 1, no traceback."""
 
 
 @contextlib.contextmanager
@@ -490,15 +487,12 @@ def load_model(args):
     script = train_cifar
     if args.dataset == 'imagenet':
         import train_imagenet as script
-    try:
-        kw = script.parse_model_kw(args.model_kw or stored.get('model_kw') or [])
-        torch.manual_seed(args.seed)
-        model = (script.build_model(args.model, 1000, args.img_size, kw) if args.dataset == 'imagenet' else
-                 script.build_model(args.model, NUM_CLASSES[args.dataset], kw))
-        if args.checkpoint:
-            script.load_weights(model, args.checkpoint)
-    except script.UserError as e:
-        raise UserError(str(e)) from None
+    kw = script.parse_model_kw(args.model_kw or stored.get('model_kw') or [])
+    torch.manual_seed(args.seed)
+    model = (script.build_model(args.model, 1000, args.img_size, kw) if args.dataset == 'imagenet' else
+             script.build_model(args.model, NUM_CLASSES[args.dataset], kw))
+    if args.checkpoint:
+        script.load_weights(model, args.checkpoint)
     return model, dict(model=args.model, model_kw=kw, checkpoint=args.checkpoint, dataset=args.dataset,
                        init_seed=None if args.checkpoint else args.seed, mode=EVAL_NOTE,
                        params=sum(p.numel() for p in model.parameters()))
@@ -517,10 +511,7 @@ def load_images(args):
                                       for i in torch.linspace(0, len(ds) - 1, min(args.n, len(ds))).long()]))
         shown = (x - x.min()) / (x.max() - x.min())  # the network's input, for the figures
     else:
-        try:
-            u8, y = train_cifar.load_cifar(args.data, args.dataset, args.split == 'train', args.n)
-        except train_cifar.UserError as e:
-            raise UserError(str(e)) from None
+        u8, y = train_cifar.load_cifar(args.data, args.dataset, args.split == 'train', args.n)
         stats = [torch.tensor(v[args.dataset]).view(1, 3, 1, 1) for v in (train_cifar.MEAN, train_cifar.STD)]
         x, shown = augment.normalize(u8, *stats), u8.float() / 255
     return shown, list(zip(x.split(args.batch_size), y.split(args.batch_size)))
@@ -729,11 +720,8 @@ def table1(args):
                            *(['--sam', '--rho', str(rho)] if opt == 'sam' else [])]
             for opt in ('sam', 'adamw') for f, (m, kw, ep, lr, rho) in TABLE1.items()}  # the longer SAM runs first
     print(f'geometry.py table1 | {len(argv)} runs on {args.train_subset:,} CIFAR-10 training images | {EVAL_NOTE}')
-    try:
-        train_u8, train_y = train_cifar.load_cifar(args.data, 'cifar10', True, args.train_subset)
-        test_u8, test_y = train_cifar.load_cifar(args.data, 'cifar10', False)
-    except train_cifar.UserError as e:
-        raise UserError(str(e)) from None
+    train_u8, train_y = train_cifar.load_cifar(args.data, 'cifar10', True, args.train_subset)
+    test_u8, test_y = train_cifar.load_cifar(args.data, 'cifar10', False)
     stats = [torch.tensor(v).view(1, 3, 1, 1) for v in (train_cifar.MEAN['cifar10'], train_cifar.STD['cifar10'])]
     h = train_cifar.balanced_subset(train_y, args.hessian_n, 10)
     d = dict(argv=argv, train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, stats=stats,

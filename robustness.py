@@ -44,6 +44,7 @@ import train_cifar
 import train_imagenet
 from augment import normalize
 from pgd import fgsm, pgd
+from train_cifar import UserError  # one user-error mechanism for every script: one line, exit 1
 
 # The benchmark's constants (Hendrycks & Dietterich 2019, Sec. 3 and Fig. 1).
 GROUPS = {'noise': ['gaussian_noise', 'shot_noise', 'impulse_noise'],
@@ -62,10 +63,6 @@ ALEXNET_ERR = dict(zip(BENCHMARK_15, [0.886428, 0.894468, 0.922640, 0.819880, 0.
 NOTE = ("on-the-fly corruptions: ImageNet-C's severity constants (imagecorruptions-imaug {v}) applied at "
         '{h}x{w} px, seed {seed}; this is NOT the published {which}')
 EXTRAS = 'pip install -r requirements-extras.txt'
-
-
-class UserError(Exception):
-    """A mistake in the command line or the data: one line on stderr, exit status 1."""
 
 
 def get_args(argv=None):
@@ -676,5 +673,5 @@ def main(argv=None):
 if __name__ == '__main__':
     try:
         main()
-    except (UserError, train_cifar.UserError, train_imagenet.UserError) as e:
+    except UserError as e:
         sys.exit(f'robustness.py: error: {e}')

@@ -7,8 +7,8 @@
 
 Defaults: the README run of locuslab/convmixer-cifar10 (~92.5% in 25 epochs), but the last partial batch of an
 epoch is dropped (on 5,000 images at batch 128, locuslab's extra 8-image step costs it ~1.8 points; README),
-augmentation is torchvision's tensor ops batched on the device (augment.py), autocast is bf16 on CUDA, CIFAR-100
-has its own mean/std. The data lives on the device as uint8. Each epoch's random draws are seeded
+augmentation is torchvision's tensor ops batched on the device (augment.py), autocast is bf16 on a GPU that has it,
+CIFAR-100 has its own mean/std. The data lives on the device as uint8. Each epoch's random draws are seeded
 from (--seed, epoch, rank): --resume at an epoch boundary continues bit-identically.
 """
 import argparse
@@ -101,7 +101,7 @@ def get_args(argv=None):
     g.add_argument('--jitter', type=float, default=0.0, help='ColorJitter strength (locuslab 0.1)')
     g.add_argument('--reprob', type=float, default=0.0, help='RandomErasing probability (locuslab 0.25)')
     g = p.add_argument_group('system')
-    g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'], help='auto: bf16 on GPU, else off')
+    g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'], help='auto: bf16 where the GPU has it, else off')
     g.add_argument('--channels-last', action='store_true', help='NHWC memory format (faster convs on GPU)')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
     g.add_argument('--seed', type=int, default=0, help='seeds the init, the data order and the augmentation')
@@ -466,7 +466,8 @@ def main(argv=None):
         torch.backends.cudnn.benchmark = torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if not args.eval_only and args.batch_size % world:
         raise UserError(f'--batch-size {args.batch_size} (global) does not divide by the world size {world}')
-    batch, amp = args.batch_size // world, args.amp if args.amp != 'auto' else ('bf16' if use_cuda else 'off')
+    bf16 = use_cuda and torch.cuda.is_bf16_supported()
+    batch, amp = args.batch_size // world, args.amp if args.amp != 'auto' else ('bf16' if bf16 else 'off')
     autocast = torch.autocast(device.type, {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(amp), amp != 'off')
     log = print if master else (lambda *a, **k: None)
     torch.manual_seed(args.seed)  # the same initial weights on every rank; the model first: a bad name fails at once

@@ -49,6 +49,7 @@ import augment
 import train_cifar
 import vit
 from sam import SAM, first_pass, second_pass
+from train_cifar import UserError  # one user-error mechanism for every script: one line, exit 1
 
 # BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
 AUG = dict(ratio=(3 / 4, 4 / 3), jitter=(0.4, 0.4, 0.2, 0.1), p_jitter=0.8, p_gray=0.2,
@@ -57,11 +58,6 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 ARCH = ('dataset', 'model', 'model_kw', 'img_size', 'proj_hidden', 'proj_dim', 'pos_embed', 'freeze_patch_embed')
 RUN_KEYS = {'model', 'moco', 'optimizer', 'scaler', 'epoch', 'step', 'history', 'args'}  # what last.pt holds
 NOT_INHERITED = ('resume', 'checkpoint', 'eval_only', 'out', 'overwrite', 'stop_after_epoch')
-
-
-class UserError(train_cifar.UserError):
-    """A user mistake: one line, no traceback. A kind of train_cifar's UserError, which its helpers used
-    here raise (data, model, run folder, atomic writes), so that one `except` catches both."""
 
 
 # -----------------------------------------------------------------------------
@@ -628,9 +624,8 @@ def main(argv=None):
                 log(f'stopped after epoch {epoch + 1} (--stop-after-epoch); continue with --resume {last}', flush=True)
                 break
     except KeyboardInterrupt:
-        kept = f'the last checkpoint is {saved[0]} (epoch {saved[1]}); continue with --resume {saved[0]}'
-        log(f'train_contrastive.py: interrupted in epoch {epoch + 1}; '
-            f'{kept if saved[0] else "no checkpoint was saved"}', file=sys.stderr)
+        log(f'train_contrastive.py: interrupted in epoch {epoch + 1}; {train_cifar.since_checkpoint(saved)}',
+            file=sys.stderr)
         sys.exit(130)
     if saved[1] == args.epochs:
         accs = {p: [r['top1'] for r in history if r['kind'] == 'eval' and r['protocol'] == p] for p in args.eval}
@@ -643,7 +638,7 @@ def main(argv=None):
 if __name__ == '__main__':
     try:
         main()
-    except train_cifar.UserError as e:  # ours, and train_cifar's from its helpers
+    except UserError as e:
         sys.exit(f'train_contrastive.py: error: {e}')
     except KeyboardInterrupt:
         print('train_contrastive.py: interrupted before training started; nothing was saved', file=sys.stderr)

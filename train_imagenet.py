@@ -43,31 +43,31 @@ from train_cifar import (NO_STEP, UserError, check_finite, check_ranges, epoch_s
 # Arguments: default None, then filled from the run being resumed (or evaluated), then from the recipe.
 RECIPES = {  # completed below with BASE_RECIPE's values where a recipe sets none
     # Chen, Hsieh & Gong 2021, Sec. 3 and appendix (as reused in the GSAM paper); Inception crop + flip, clipping 1.
-    'sam': dict(epochs=300, batch_size=4096, lr=3e-3, lr_batch=4096, wd=0.3, sched='linear', warmup_steps=10_000),
+    'sam': dict(epochs=300, batch_size=4096, lr=3e-3, wd=0.3, sched='linear', warmup_steps=10_000),
     # locuslab/convmixer README's timm command line (--aa rand-m9-mstd0.5-inc1, batch 64 x 10 GPUs); timm's
     # implicit wd 2e-5 and smoothing 0.1; timm's ConvMixer eval cfg (crop_pct 0.96, bicubic).
-    'convmixer': dict(epochs=150, batch_size=640, lr=0.01, lr_batch=640, opt_eps=1e-3, wd=2e-5, sched='onecycle',
+    'convmixer': dict(epochs=150, batch_size=640, lr=0.01, opt_eps=1e-3, wd=2e-5, sched='onecycle',
                       warmup_steps=0, label_smoothing=0.1, randaug_n=2, mixup=0.5, cutmix=0.5, reprob=0.25,
                       norm='imagenet', crop_pct=0.96, eval_interp='bicubic'),
     # Dosovitskiy et al. (ICLR 2021) App. B.1.1 (lr from its Table 4 grid); vit_jax configs/common.py (20k steps =
     # 8 epochs); input_pipeline.py: Inception crop, area_range (0.05, 1), + flip. Deviation: vit_jax squashes a
     # test image to 384 x 384; here the shorter side goes to 384, then a centre crop.
-    'finetune': dict(epochs=8, batch_size=512, lr=0.03, lr_batch=512, opt='sgd', wd=0.0, sched='cosine',
+    'finetune': dict(epochs=8, batch_size=512, lr=0.03, opt='sgd', wd=0.0, sched='cosine',
                      warmup_steps=500, img_size=384, crop_min=0.05, crop_pct=1.0),
 }
 BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_min=0.08, label_smoothing=0.0,
                    randaug_n=0, mixup=0.0, cutmix=0.0, reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear')
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
-DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=9.0, accum_steps=1, sam=False, rho=0.05, adaptive=False,
+DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=1, sam=False, rho=0.05, adaptive=False,
                 amp='auto', seed=0, log_every=50, save_every=0, synthetic=False)  # the same in every recipe
 RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
-POSITIVE = ['epochs', 'batch_size', 'accum_steps', 'lr', 'lr_batch', 'opt_eps', 'img_size', 'crop_min', 'crop_pct',
+POSITIVE = ['epochs', 'batch_size', 'accum_steps', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct',
             'eval_batch_size']
 NON_NEGATIVE = ['workers', 'warmup_steps', 'wd', 'clip_grad', 'rho', 'label_smoothing', 'randaug_n', 'randaug_m',
                 'mixup', 'cutmix', 'reprob', 'log_every', 'save_every', 'max_steps', 'seed']
-AT_MOST = dict(crop_min=1, crop_pct=1, label_smoothing=1, reprob=1, randaug_m=10)
+AT_MOST = dict(crop_min=1, crop_pct=1, label_smoothing=1, reprob=1, randaug_m=30)
 
 
 def flag(p, name, help, **kw):
@@ -94,7 +94,7 @@ def get_args(argv=None):
     a('--crop-pct', 'evaluation: resize to img_size / crop_pct, centre-crop img_size', type=float)
     a('--eval-interp', 'evaluation resize filter', choices=['bilinear', 'bicubic'])
     a('--randaug-n', 'RandAugment ops per image (0 = off)', type=int)
-    a('--randaug-m', "RandAugment magnitude on timm's 0-10 scale", type=float)
+    a('--randaug-m', "RandAugment magnitude 0..30, as train_cifar.py (timm's m9 of 10 = 27)", type=int)
     a('--mixup', 'mixup Beta(alpha, alpha), 0 = off', type=float)
     a('--cutmix', 'cutmix Beta(alpha, alpha), 0 = off; with mixup on too, one of the two per batch', type=float)
     a('--reprob', "random-erasing probability per image (timm's 'pixel' mode)", type=float)
@@ -107,8 +107,7 @@ def get_args(argv=None):
     a('--epochs', 'training epochs', type=int)
     a('--batch-size', 'GLOBAL batch of one optimizer step (all processes x --accum-steps)', type=int)
     a('--accum-steps', 'gradient-accumulation micro-batches per optimizer step', type=int)
-    a('--lr', 'peak learning rate at a global batch of --lr-batch', type=float)
-    a('--lr-batch', 'batch at which --lr holds; it scales linearly with --batch-size (Goyal et al.)', type=int)
+    a('--lr', 'peak learning rate (for the recipe\'s --batch-size: scale it with the batch, Goyal et al.)', type=float)
     a('--opt', 'adamw (betas 0.9, 0.999) or sgd (momentum 0.9)', choices=['adamw', 'sgd'])
     a('--opt-eps', 'AdamW epsilon', type=float)
     a('--wd', 'weight decay of matrices and kernels only (AdamW: decoupled; SGD: L2)', type=float)
@@ -125,18 +124,15 @@ def get_args(argv=None):
     a('--overwrite', 'let a new run replace the run already in --out', action='store_true')
     a('--save-every', 'also save last.pt every N optimizer steps; 0 = at epoch ends only', type=int)
     a('--resume', 'continue the run that wrote this last.pt (mid-epoch if saved there)', metavar='PATH')
-    a('--eval-only', 'evaluate --checkpoint (or --resume) on val and exit', action='store_true')
+    a('--eval-only', 'evaluate --checkpoint on val and exit', action='store_true')
     a('--checkpoint', 'for --eval-only: our last.pt, a timm/torchvision state_dict, .npz or .pth.tar', metavar='PATH')
     a('--eval-batch-size', 'evaluation batch per process (default 256)', type=int, default=256)
     a('--max-steps', 'stop after this many optimizer steps in all (0 = off)', type=int, default=0)
     a('--log-every', 'a progress line every N optimizer steps; 0 = per epoch', type=int)
     args = p.parse_args(argv)
 
-    if args.eval_only and args.resume and not args.checkpoint:  # the weights of one of our runs
-        args.checkpoint, args.resume = args.resume, None
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
-        raise UserError('--eval-only evaluates --checkpoint PATH (or --resume PATH, not both); --checkpoint is for '
-                        '--eval-only')
+        raise UserError('--eval-only evaluates --checkpoint PATH (not --resume); --checkpoint is for --eval-only')
     if (args.resume or args.eval_only) and (args.overwrite or args.pretrained):
         raise UserError('--resume and --eval-only load their own weights; --overwrite or --pretrained would start a '
                         'new run')
@@ -173,9 +169,9 @@ LAYOUT = ('expected ImageNet-1k in ImageFolder layout: DIR/train/<wnid>/*.JPEG a
 
 def train_transform(args, mean, std):
     t = [v2.RandomResizedCrop(args.img_size, scale=(args.crop_min, 1.0), antialias=True), v2.RandomHorizontalFlip()]
-    if args.randaug_n > 0:  # timm's magnitude m = torchvision's bin 10 m of 101; filled with the mean pixel, as timm.
-        # Deviations from timm's rand-m9-mstd0.5: no N(m, 0.5) jitter of m, and torchvision's op set.
-        t.append(v2.RandAugment(args.randaug_n, round(10 * args.randaug_m), 101, v2.InterpolationMode.BILINEAR,
+    if args.randaug_n > 0:  # torchvision's 31 bins; filled with the mean pixel, as timm. Deviations from timm's
+        # rand-m9-mstd0.5: m9 of 10 is bin 27 of 30, with no N(m, 0.5) jitter of m; torchvision's op set.
+        t.append(v2.RandAugment(args.randaug_n, args.randaug_m, 31, v2.InterpolationMode.BILINEAR,
                                 fill=[round(255 * m) for m in mean]))
     t += [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
     if args.reprob > 0:  # on the normalised image, with N(0, 1) noise: timm's 'pixel' mode
@@ -195,11 +191,9 @@ class ImageFolder(datasets.ImageFolder):
     loader worker reaches the main process inside the worker's traceback, so on_device() names the file."""
 
     def __init__(self, root, split, transform, img_size):
-        if not os.path.isdir(os.path.join(root, split)):
-            raise UserError(f'--data {root}: no folder {os.path.join(root, split)}; {LAYOUT}')
         try:
             super().__init__(os.path.join(root, split), transform=transform)
-        except (FileNotFoundError, RuntimeError) as e:  # no class folders, or an empty one
+        except (FileNotFoundError, RuntimeError) as e:  # no such folder, no class folders, or an empty one
             raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
         self.img_size = img_size
 
@@ -408,11 +402,10 @@ def main(argv=None):
     groups = [dict(params=[], weight_decay=args.wd), dict(params=[], weight_decay=0.0)]
     for name, p in model.named_parameters():
         groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
-    peak_lr = args.lr * args.batch_size / args.lr_batch  # linear scaling rule
     base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
         (torch.optim.SGD, dict(momentum=0.9))
-    optimizer = (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=peak_lr, **base_kw) if args.sam
-                 else base(groups, lr=peak_lr, **base_kw))
+    optimizer = (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
+                 else base(groups, lr=args.lr, **base_kw))
     scaler = torch.amp.GradScaler(device.type, enabled=amp == 'fp16')
 
     # --- resume: weights, optimizer, GradScaler, step and history; the RNGs are re-seeded in the loop -------
@@ -432,16 +425,14 @@ def main(argv=None):
         if ckpt['scaler']:  # {} when the run had no enabled GradScaler (not fp16)
             scaler.load_state_dict(ckpt['scaler'])
         step, history, saved = ckpt['step'], ckpt['history'], (args.resume, ckpt['step'])
-        for key in RUN_KEYS:  # only flags given on this command line can differ from the run's
-            if old.get(key) != getattr(args, key):
-                log(f'note: --{key.replace("_", "-")} {getattr(args, key)} from step {step} on (the run so far: '
-                    f'{old.get(key)})')
+        changed = [f'--{k.replace("_", "-")} {old.get(k)} -> {getattr(args, k)}' for k in RUN_KEYS
+                   if old.get(k) != getattr(args, k)]  # only flags given on this command line can differ
         log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
-            'epoch)')
+            f'epoch); changed: {", ".join(changed) or "nothing"}')
         del ckpt
-    info = dict(vars(args), world_size=world, micro_batch=per_step // k, peak_lr=peak_lr, steps_per_epoch=steps,
+    info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps,
                 total_steps=args.epochs * steps)
-    log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {peak_lr:.3g}, {steps} '
+    log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
         f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
 
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
@@ -459,7 +450,7 @@ def main(argv=None):
             train_model.train()
             for x, y in itertools.islice(on_device(train_loader, device, fmt), min(stop - step, steps - start)):
                 x, y = mix(x, y) if mix is not None else (x, y)  # mixup/cutmix: y -> (B, classes)
-                lr = lr_at(step, peak_lr, args.sched, args.warmup_steps, args.epochs, steps)
+                lr = lr_at(step, args.lr, args.sched, args.warmup_steps, args.epochs, steps)
                 for group in optimizer.param_groups:
                     group['lr'] = lr
                 loss = train_step(train_model, optimizer, scaler, list(zip(x.chunk(k), y.chunk(k))), sam=args.sam,

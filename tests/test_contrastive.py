@@ -293,7 +293,7 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch):
     for proxy in ('http_proxy', 'https_proxy', 'HTTP_PROXY', 'HTTPS_PROXY'):  # offline: no CIFAR download
         monkeypatch.setenv(proxy, 'http://127.0.0.1:9')
     argv = ['--data', tmp_path / 'empty', '--out', tmp_path / 'out', '--epochs', 50, *TINY, *args]
-    with pytest.raises(train_cifar.UserError) as e:  # ours is a kind of it (its helpers raise it)
+    with pytest.raises(train_cifar.UserError) as e:  # the one user-error class of every script
         tc.main([str(a) for a in argv])
     assert expect in str(e.value), str(e.value)
     assert (tmp_path / 'run' / 'metrics.jsonl').read_text() == '{}\n'

@@ -39,7 +39,7 @@ TINY_VIT = ['--model', 'vit_ti16', '--model-kw', 'depth=2', 'dim=64', 'heads=2',
 TINY_MIXER = ['--model', 'mixer_s16', '--model-kw', 'depth=2', 'dim=64', 'tokens_mlp_dim=32',
               'channels_mlp_dim=128', '--img-size', IMG]
 # global batch 20 -> 10 optimizer steps per epoch on 200 training images
-SCHEDULE = ['--batch-size', 20, '--epochs', 2, '--lr', 0.01, '--lr-batch', 20, '--log-every', 5, '--eval-batch-size', 8]
+SCHEDULE = ['--batch-size', 20, '--epochs', 2, '--lr', 0.01, '--log-every', 5, '--eval-batch-size', 8]
 TRAIN_KEYS = {'kind', 'epoch', 'step', 'lr', 'loss', 'img_per_s', 'elapsed_s'}
 EVAL_KEYS = {'kind', 'epoch', 'step', 'loss', 'top1', 'top5', 'correct', 'n', 'elapsed_s'}
 TIMING = ('img_per_s', 'elapsed_s')
@@ -239,7 +239,7 @@ def test_ddp_convmixer_recipe_sam_accumulation_batchnorm_eval_matches_its_checkp
     for r in train:  # locuslab's integer breakpoints at 2 epochs: 2*2//5 = 0, 2*4//5 = 1; t = (s + 1) / 10
         assert r['lr'] == pytest.approx(0.01 * np.interp(r['step'] / 10, [0, 0, 1, 2], [0, 1, 0.05, 0]), rel=1e-9)
         assert math.isfinite(r['loss'])
-    single = eval_in_process(['--resume', out / 'last.pt'])  # --eval-only --resume: the weights of that run
+    single = eval_in_process(['--checkpoint', out / 'last.pt'])  # the model flags come from that run
     assert counts(single) == counts(evals[-1])
     assert single['loss'] == pytest.approx(evals[-1]['loss'], rel=1e-6)
 
@@ -327,7 +327,8 @@ def test_kill_during_a_save_then_resume_equals_the_uninterrupted_fp16_run(tiny_i
 def test_resume_with_sam_of_a_run_without_it_says_so(vit_runs, tmp_path, capsys):
     shutil.copytree(vit_runs['A'], tmp_path / 'run')
     main(['--resume', tmp_path / 'run' / 'last.pt', '--sam', '--epochs', 3, '--workers', 0])
-    assert 'note: --sam True from step 20 on (the run so far: False)' in capsys.readouterr().out
+    assert 'at epoch 3, step 20 (0 of 10 in this epoch); changed: --sam False -> True, --epochs 2 -> 3\n' in \
+        capsys.readouterr().out
     assert load(tmp_path / 'run' / 'last.pt')['args']['sam'] is True and rows(tmp_path / 'run')[-1]['epoch'] == 3
 
 
@@ -530,7 +531,7 @@ def test_pretrained_vit_at_32px_fine_tunes_at_48px_with_the_vit_paper_recipe(tin
     out = tmp_path / 'ft'
     main(['--data', tiny_imagenet, '--recipe', 'finetune', '--pretrained', tmp_path / 'in1k.pth', '--model', 'vit_ti16',
           '--model-kw', 'depth=2', 'dim=64', 'heads=2', 'patch_size=8', '--img-size', 48, '--batch-size', 20,
-          '--lr', 0.01, '--lr-batch', 20, '--warmup-steps', 2, '--epochs', 1, '--log-every', 1, '--workers', 0,
+          '--lr', 0.01, '--warmup-steps', 2, '--epochs', 1, '--log-every', 1, '--workers', 0,
           '--eval-batch-size', 8, '--out', out])
     w = loaded[0]
     expected = resample_abs_pos_embed(source.pos_embed.detach(), (6, 6), num_prefix_tokens=1)
@@ -623,7 +624,7 @@ def read_only_dir(tmp_path):
 
 
 # --log-every 0: rows (and metrics.jsonl writes) at the epoch's end only, so that nothing in --out changes
-BASE = ['--data', '{data}'] + TINY_VIT + ['--batch-size', 20, '--epochs', 1, '--lr-batch', 20, '--workers', 0,
+BASE = ['--data', '{data}'] + TINY_VIT + ['--batch-size', 20, '--epochs', 1, '--workers', 0,
                                           '--eval-batch-size', 8, '--log-every', 0, '--out', '{out}', '--overwrite']
 RESUME = ['--resume', '{out}/last.pt', '--workers', 0, '--log-every', 0, '--epochs', 3]
 EVAL = ['--eval-only', '--workers', 0, '--eval-batch-size', 8, '--data', '{data}']
@@ -636,7 +637,7 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
     'workers-negative': (BASE + ['--workers', -1], ['--workers must be a finite number >= 0, got -1']),
     'lr-negative': (BASE + ['--lr', -0.1, '--batch-size', 40], ['--lr must be a finite number > 0, got -0.1']),
     'epochs-0': (BASE + ['--epochs', 0], ['--epochs must be a finite number > 0, got 0']),
-    'randaug-m-11': (BASE + ['--randaug-m', 11], ['--randaug-m must be a finite number >= 0 and <= 10, got 11.0']),
+    'randaug-m-31': (BASE + ['--randaug-m', 31], ['--randaug-m must be a finite number >= 0 and <= 30, got 31']),
     'lr-nan': (BASE + ['--lr', 'nan'], ['--lr must be a finite number > 0, got nan']),
     'img-size-30-patch-16': (BASE + ['--img-size', 30], ['--img-size 30', 'patch_size=16']),
     'depth-0': (BASE + ['--model-kw', 'depth=0'], ['--model-kw depth=0', 'depth']),
@@ -669,7 +670,7 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
     'resume-and-pretrained': (RESUME + ['--pretrained', '{out}/last.pt'], ['--overwrite or --pretrained would start']),
     'pretrained-missing': (BASE + ['--pretrained', '{out}/nothing.pt'], ['--pretrained: no such file: {out}/nothing.pt']),
     'eval-checkpoint-and-resume': (EVAL + ['--checkpoint', '{out}/last.pt', '--resume', '{out}/last.pt'],
-                                   ['(or --resume PATH, not both)']),
+                                   ['--eval-only evaluates --checkpoint PATH (not --resume)']),
     'resume-missing': (RESUME + ['--resume', '{out}/nothing.pt'], ['--resume: no such file: {out}/nothing.pt']),
     'resume-not-ours': (RESUME + ['--resume', '{bad}/state_dict.pth'], ['is not a last.pt of train_imagenet.py']),
     'resume-a-cifar-run': (RESUME + ['--resume', '{bad}/cifar_last.pt'], ['is not a last.pt of train_imagenet.py']),
