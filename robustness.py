@@ -267,7 +267,8 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
                 rows = {s: data[(s - 1) * n + lo:(s - 1) * n + hi] for s in severities}
             else:  # chunks of 100 images of this rank's slice, at each severity
                 tasks = [(images[j:min(j + 100, hi)], j, c, s, seed) for s in made for j in range(lo, hi, 100)]
-                parts, k = list(pool.map(corrupt_chunk, tasks) if pool else map(corrupt_chunk, tasks)), len(tasks) // len(made)
+                parts = list(pool.map(corrupt_chunk, tasks) if pool else map(corrupt_chunk, tasks))
+                k = len(tasks) // len(made)  # chunks per severity
                 rows = {s: np.concatenate(parts[m * k:(m + 1) * k] or [images[:0]]) for m, s in enumerate(made)}
                 if cache_dir:  # rank 0 gathers every rank's rows and writes the file in one piece
                     everyone = [rows] * world
@@ -284,7 +285,8 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
     finally:
         if pool:
             pool.shutdown(cancel_futures=True)
-    counts = all_reduce(counts + [count(model, array_batches(images, labels, lo, hi, batch_size), mean, std, amp)], world)
+    clean = count(model, array_batches(images, labels, lo, hi, batch_size), mean, std, amp)
+    counts = all_reduce(counts + [clean], world)
     r = summarize(dict(zip([(c, s) for c in corruptions for s in severities], counts)), counts[-1])
     which = 'CIFAR-10-C' if images.shape[1] == 32 else 'ImageNet-C (corrupted at 224 px, saved as JPEG)'
     r['note'] = NOTE.format(v=version, h=images.shape[1], w=images.shape[2], seed=seed, which=which)
@@ -382,9 +384,11 @@ class Samples(torch.utils.data.Dataset):
 def folder_batches(samples, transform, batch_size, workers, rank, world):
     """Rank r reads samples r, r + W, ... -> (x uint8 (B, 3, S, S), y, index into samples)."""
     data = torch.utils.data.Subset(Samples(samples, transform), range(rank, len(samples), world))
-    for x, y, i in torch.utils.data.DataLoader(data, batch_size, num_workers=workers, pin_memory=torch.cuda.is_available()):
+    loader = torch.utils.data.DataLoader(data, batch_size, num_workers=workers, pin_memory=torch.cuda.is_available())
+    for x, y, i in loader:
         if (y < 0).any():  # still on the CPU: no host sync
-            raise UserError(f'cannot decode {samples[int(i[y < 0][0])][0]} (corrupt or truncated); replace or delete it')
+            raise UserError(f'cannot decode {samples[int(i[y < 0][0])][0]} (corrupt or truncated); '
+                            'replace or delete it')
         yield x, y, i
 
 
@@ -536,7 +540,8 @@ def compare(argv):
     fig, ax = plt.subplots(figsize=(0.3 * (len(keys) + 2) * len(runs) + 2.5, 4))
     for j, (r, label) in enumerate(zip(runs, args.labels or [f'{r["model"]} ({r["checkpoint"]})' for r in runs])):
         values = [r['corruption_mean'][c] for c in keys] + [r['mean_acc'], r['clean']['acc']]
-        ax.bar(np.arange(len(values)) + (j - (len(runs) - 1) / 2) * 0.8 / len(runs), values, 0.8 / len(runs), label=label)
+        width = 0.8 / len(runs)
+        ax.bar(np.arange(len(values)) + (j - (len(runs) - 1) / 2) * width, values, width, label=label)
     ax.set_xticks(range(len(keys) + 2), keys + ['mean', 'clean'], rotation=60, ha='right', fontsize=8)
     ax.set(ylabel='top-1 accuracy (%), mean over severities', title=runs[0]['benchmark'])
     ax.legend(fontsize=8)

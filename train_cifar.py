@@ -101,7 +101,8 @@ def get_args(argv=None):
     g.add_argument('--jitter', type=float, default=0.0, help='ColorJitter strength (locuslab 0.1)')
     g.add_argument('--reprob', type=float, default=0.0, help='RandomErasing probability (locuslab 0.25)')
     g = p.add_argument_group('system')
-    g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'], help='auto: bf16 where the GPU has it, else off')
+    g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'],
+                   help='auto: bf16 where the GPU has it, else off')
     g.add_argument('--channels-last', action='store_true', help='NHWC memory format (faster convs on GPU)')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
     g.add_argument('--seed', type=int, default=0, help='seeds the init, the data order and the augmentation')
@@ -434,8 +435,8 @@ def leave(distributed):
 def train_row(epoch, step, lr, sums, images, t_row, t_start):
     """A metrics.jsonl row of the steps since the last one: sums = (loss sum, correct, images) on the device."""
     loss_sum, correct, count = sums.tolist()
-    return {'kind': 'train', 'epoch': epoch + 1, 'step': step, 'lr': lr, 'loss': loss_sum / count,
-            'acc': 100 * correct / count, 'img_per_s': images / (time.time() - t_row), 'elapsed_s': time.time() - t_start}
+    return {'kind': 'train', 'epoch': epoch + 1, 'step': step, 'lr': lr, 'loss': loss_sum / count, 'acc': 100 * correct
+            / count, 'img_per_s': images / (time.time() - t_row), 'elapsed_s': time.time() - t_start}
 
 
 def restore(ckpt, opt, scaler, args, not_inherited, log):
@@ -484,7 +485,8 @@ def main(argv=None):
         dist.barrier()  # rank 0 downloads (if needed) before the others look
     test_x, test_y = (t.to(device) for t in load_cifar(args.data, args.dataset, False, args.test_subset, args.classes))
     if not args.eval_only:
-        train_x, train_y = (t.to(device) for t in load_cifar(args.data, args.dataset, True, args.train_subset, args.classes))
+        train_x, train_y = (t.to(device) for t in load_cifar(args.data, args.dataset, True, args.train_subset,
+                                                             args.classes))
     if ddp and master:
         dist.barrier()
     norm = ((0.5,) * 3,) * 2 if args.recipe == 'finetune' else (MEAN[args.dataset], STD[args.dataset])
