@@ -33,12 +33,13 @@ def cifar10_dir(tmp_path_factory):
         pytest.skip(msg)
     root = tmp_path_factory.mktemp('data')
     with tarfile.open(CIFAR_TARBALL) as tar:
-        files = defaultdict(list)  # (split, class) -> its image members
+        names = defaultdict(list)  # (split, class) -> the names of its images
         for m in tar.getmembers():
             if m.isfile():
-                files[tuple(m.name.split('/')[1:3])].append(m)
-        keep = [m for (split, _), ms in files.items() for m in sorted(ms, key=lambda m: m.name)[:PER_CLASS[split]]]
-        tar.extractall(root, members=keep, filter='data')
+                names[tuple(m.name.split('/')[1:3])].append(m.name)
+        keep = {n for (split, _), ns in names.items() for n in sorted(ns)[:PER_CLASS[split]]}
+        # in archive order: a gzip stream read out of order is decompressed again from the start
+        tar.extractall(root, members=[m for m in tar.getmembers() if m.name in keep], filter='data')
     return root / 'cifar10'
 
 

@@ -30,7 +30,7 @@ from PIL import Image
 
 import pgd
 import train_cifar as tc
-from conftest import REPO
+from conftest import PER_CLASS, REPO
 
 SCRIPT = str(REPO / 'train_cifar.py')
 TINY = ['--model-kw', 'dim=16', 'depth=1', 'patch_size=4', 'kernel_size=3']  # 1,482 params
@@ -694,12 +694,13 @@ def test_classes_keep_those_images_relabelled(cifar10_dir):
     """--classes 7 2: every test image of labels 7 and 2 (and no other), in file order, relabelled 0 and 1; with
     a subset, the first n/k of each, as the full set filtered by hand gives them."""
     x, y = tc.load_cifar(cifar10_dir, 'cifar10', False)
+    per_class = PER_CLASS['test']  # what the fixture extracted of each class (the full set has 1,000)
     for subset in (0, 11):
         xs, ys = tc.load_cifar(cifar10_dir, 'cifar10', False, subset, classes=[7, 2])
         quota = {7: 6, 2: 5} if subset else {7: None, 2: None}  # 11 = 6 + 5, the first class takes the extra one
         keep = torch.cat([(y == c).nonzero()[:quota[c], 0] for c in (7, 2)]).sort().values
         assert torch.equal(xs, x[keep]) and torch.equal(ys, (y[keep] == 2).long())  # 7 -> 0, 2 -> 1
-        assert len(ys) == (2000 if subset == 0 else 11) and (ys == 0).sum() == (1000 if subset == 0 else 6)
+        assert len(ys) == (2 * per_class if subset == 0 else 11) and (ys == 0).sum() == (per_class if subset == 0 else 6)
 
 
 def test_adv_sam_attacks_once_at_w_and_both_passes_see_that_batch(cifar10_dir, tmp_path, monkeypatch):
