@@ -700,7 +700,8 @@ def test_classes_keep_those_images_relabelled(cifar10_dir):
         quota = {7: 6, 2: 5} if subset else {7: None, 2: None}  # 11 = 6 + 5, the first class takes the extra one
         keep = torch.cat([(y == c).nonzero()[:quota[c], 0] for c in (7, 2)]).sort().values
         assert torch.equal(xs, x[keep]) and torch.equal(ys, (y[keep] == 2).long())  # 7 -> 0, 2 -> 1
-        assert len(ys) == (2 * per_class if subset == 0 else 11) and (ys == 0).sum() == (per_class if subset == 0 else 6)
+        n7 = per_class if subset == 0 else 6
+        assert len(ys) == (2 * per_class if subset == 0 else 11) and (ys == 0).sum() == n7
 
 
 def test_adv_sam_attacks_once_at_w_and_both_passes_see_that_batch(cifar10_dir, tmp_path, monkeypatch):
