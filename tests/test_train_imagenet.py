@@ -574,6 +574,15 @@ def test_synthetic_trains_a_sam_vit_without_data(tmp_path):
     assert ckpt['steps_per_epoch'] == 1_281_167 // 8 and ckpt['model']['head.weight'].shape == (1000, 32)
 
 
+def test_convmixer_recipe_randaugment_is_timms_m9_on_both_scripts_scale():
+    """timm's rand-m9 scales each op's maximum by m / 10 = 0.9. --randaug-m is torchvision's bin of 0..30 (as in
+    train_cifar.py), so the recipe's default must land on the same 0.9, and the op gets the recipe's n."""
+    args = ti.get_args(['--synthetic', '--recipe', 'convmixer'])
+    ra = [t for t in ti.train_transform(args, *ti.MEANS[args.norm]).transforms if type(t).__name__ == 'RandAugment']
+    assert len(ra) == 1 and ra[0].num_ops == 2 == args.randaug_n
+    assert torch.linspace(0.0, 1.0, ra[0].num_magnitude_bins)[ra[0].magnitude].item() == pytest.approx(9 / 10)
+
+
 def test_each_rank_draws_its_own_augmentation_and_a_resume_draws_the_same():
     def draws(epoch, rank, start=0):
         g = torch.Generator()
