@@ -170,6 +170,69 @@ def apply_ra_ops(x, op, magnitude):
     return x
 
 
+# ----------------------------------------------------------------------------- MoCo v3 views (train_contrastive.py)
+# BYOL's ColorJitter with hue, GaussianBlur and a RandomResizedCrop of any aspect ratio, equal to torchvision's.
+def adjust_hue(x, f):
+    """torchvision's adjust_hue per image (f: (B, 1, 1) in [-0.5, 0.5]): RGB -> HSV (PIL's formulas),
+    h <- (h + f) mod 1, HSV -> RGB, back to integers as to_dtype(uint8) does."""
+    x = x * (1.0 / 255)
+    r, g, _ = x.unbind(1)
+    maxc, minc = x.amax(1), x.amin(1)
+    eqc, ones = maxc == minc, torch.ones_like(maxc)  # grey pixels: h = s = 0 (divisors replaced by 1)
+    s = (maxc - minc) / torch.where(eqc, ones, maxc)
+    rc, gc, bc = ((maxc.unsqueeze(1) - x) / torch.where(eqc, ones, maxc - minc).unsqueeze(1)).unbind(1)
+    hr = (bc - gc) * (maxc == r)
+    hg = (rc + 2.0 - bc) * ((maxc == g) & (maxc != r))
+    hb = (gc + 4.0 - rc) * ((maxc != g) & (maxc != r))
+    h = (((hr + hg + hb) * (1.0 / 6.0) + 1.0).fmod(1.0) + f).remainder(1.0)
+    h6 = h * 6  # sector i = floor(6h) picks each channel from (v, p, q, t)
+    i = h6.floor()
+    frac, i = h6 - i, i.int().remainder(6)
+    v, p, q, t = maxc, (1.0 - s) * maxc, (1.0 - s * frac) * maxc, (s * frac + (1.0 - s)) * maxc
+    p, q, t = p.clamp(0, 1), q.clamp(0, 1), t.clamp(0, 1)
+    red = torch.where(i == 0, v, torch.where(i == 1, q, torch.where(i <= 3, p, torch.where(i == 4, t, v))))
+    green = torch.where(i == 0, t, torch.where(i <= 2, v, torch.where(i == 3, q, p)))
+    blue = torch.where(i <= 1, p, torch.where(i == 2, t, torch.where(i <= 4, v, q)))
+    return torch.stack([red, green, blue], 1).mul_(255 + 1.0 - 1e-3).floor_()
+
+
+def color_jitter(x, factors, order):
+    """ColorJitter: brightness, contrast, saturation factors and a hue offset (factors (B, 4) float64), in
+    a per-image order (B, 4) (a permutation of 0..3 per row): slot s of image b runs op order[b, s]."""
+    B = len(x)
+    for slot in range(4):
+        for k, fn in enumerate((adjust_brightness, adjust_contrast, adjust_saturation)):
+            x = fn(x, torch.where(order[:, slot] == k, factors[:, k], 1.0))  # factor 1: the exact identity
+        x = torch.where((order[:, slot] == 3).view(B, 1, 1, 1), adjust_hue(x, factors[:, 3].float().view(B, 1, 1)), x)
+    return x
+
+
+def gaussian_blur(x, sigma, kernel_size):
+    """torchvision's gaussian_blur per image (sigma (B,)): reflect padding, one grouped conv, rounded."""
+    B, C, H, W = x.shape
+    lim = (kernel_size - 1) / (2 * math.sqrt(2))
+    k1 = torch.softmax(-(torch.linspace(-lim, lim, kernel_size, device=x.device) / sigma[:, None]).pow(2), 1)
+    k2 = (k1[:, :, None] * k1[:, None, :]).repeat_interleave(C, 0)[:, None]  # (B*C, 1, k, k)
+    out = F.conv2d(F.pad(x.reshape(1, B * C, H, W), [kernel_size // 2] * 4, mode='reflect'), k2, groups=B * C)
+    return out.view(B, C, H, W).round_()
+
+
+def resized_crop_rect_flip(x, top, left, height, width, size, flip):
+    """Per-image boxes ((B,) float64 pixel counts) resized bilinearly to size x size as torchvision's
+    resized_crop (align_corners=False, edges clamped to the box; antialias is a no-op when enlarging),
+    mirrored where flip (B,). resized_crop_flip above is for squares; this one for any aspect ratio."""
+    B, _, H, W = x.shape
+    u = torch.arange(size, dtype=torch.float64, device=x.device)
+    # output pixel u reads the box at (u + 0.5) * side / size - 0.5, clamped to [0, side - 1]
+    ox = ((u + 0.5) * width[:, None] / size - 0.5).clamp(min=0).minimum(width[:, None] - 1)  # (B, size)
+    oy = ((u + 0.5) * height[:, None] / size - 0.5).clamp(min=0).minimum(height[:, None] - 1)
+    gx, gy = left[:, None] + ox, top[:, None] + oy
+    gx = torch.where(flip[:, None], gx.flip(1), gx)
+    grid = torch.stack([((2 * gx + 1) / W - 1)[:, None, :].expand(B, size, size),
+                        ((2 * gy + 1) / H - 1)[:, :, None].expand(B, size, size)], -1)
+    return F.grid_sample(x, grid.to(x.dtype), mode='bilinear', padding_mode='border', align_corners=False).round_()
+
+
 def normalize(x, mean, std):
     """ToTensor + Normalize: (B, 3, H, W) values 0..255 -> float32; mean, std: (1, 3, 1, 1) tensors."""
     return x.float().div(255).sub_(mean).div_(std)

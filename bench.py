@@ -30,10 +30,10 @@ from torch.utils.flop_counter import FlopCounterMode
 import augment
 import convmixer
 import mixer
-import train_cifar
 import vit
+from data import MEAN, STD
 from sam import SAM, first_pass, second_pass
-from train_cifar import UserError  # one user-error mechanism for every script: one line, exit 1
+from utils import UserError
 
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
 # size on CPU, at full size on CUDA). --quick keeps the paper sizes but small batches, and runs
@@ -47,6 +47,10 @@ ROWS = {
                         (32, 32), (32, 128), (32, 512)),  # not a timm config: timm's class
     'convmixer_768_32': ('convmixer_768_32', (112, 2), (224, 4), (224, 64)),
 }
+
+# The default CIFAR run: train_cifar.py's defaults (tests/test_bench.py checks that they still are).
+CIFAR_RUN = dict(model='convmixer_256_8', batch_size=512, aug='strong', scale=1.0, randaug_n=2, randaug_m=12,
+                 jitter=0.0, reprob=0.0)
 
 # Dense bf16 peak FLOP/s (data sheets, no sparsity); the first key in get_device_name() wins, else no MFU.
 PEAK_BF16 = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100': 989e12,
@@ -197,17 +201,17 @@ def reference_transform(cfg):
     return T.Compose([T.RandomResizedCrop(32, scale=(cfg.scale, 1.0), ratio=(1.0, 1.0)),
                       T.RandomHorizontalFlip(p=0.5), T.RandAugment(num_ops=cfg.randaug_n, magnitude=cfg.randaug_m),
                       T.ColorJitter(cfg.jitter, cfg.jitter, cfg.jitter), T.ToTensor(),
-                      T.Normalize(train_cifar.MEAN['cifar10'], train_cifar.STD['cifar10']),
+                      T.Normalize(MEAN['cifar10'], STD['cifar10']),
                       T.RandomErasing(p=cfg.reprob)])
 
 
 def bench_cifar(args):
-    cfg = train_cifar.get_args([])  # the default CIFAR run
+    cfg = argparse.Namespace(**CIFAR_RUN)  # the default CIFAR run
     batch = args.batch_size or (128 if args.quick else cfg.batch_size)
     images = torch.randint(0, 256, (batch, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     pil = [T.functional.to_pil_image(im) for im in images]
     recipe = {k: getattr(cfg, k) for k in ('aug', 'scale', 'randaug_n', 'randaug_m', 'jitter', 'reprob')}
-    kw = dict(recipe, mean=train_cifar.MEAN['cifar10'], std=train_cifar.STD['cifar10'])
+    kw = dict(recipe, mean=MEAN['cifar10'], std=STD['cifar10'])
     ours, ref = augment.make_augment(**kw, device=torch.device('cpu')), reference_transform(cfg)
     rows = [dict(row='cifar augment, 1 core', px=32, batch=batch, dtype='uint8', mode='eager',
                  ours_s=median_s(lambda: ours(images), args.min_run_time, threads=1),

@@ -25,18 +25,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
+import torchvision
 import torch.nn.functional as F
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-import augment
 import convmixer
 import mixer
-import train_cifar
 import vit
-from train_cifar import UserError  # one user-error mechanism for every script: one line, exit 1
+from augment import normalize
+from data import LAYOUT, MEAN, STD, balanced_subset, eval_transform, evaluate, load_cifar, resize
+from models import build_model, load_model, load_weights, parse_model_kw
+from utils import UserError, fmt_time, pyplot, save_atomic
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 
@@ -444,76 +446,46 @@ def progress_printer(prefix, every=10.0):
 
 
 def write_json(path, obj):
-    """Atomically (PATH.tmp, then os.replace); inf / nan are written as null."""
+    """Atomically (utils.save_atomic); inf / nan are written as null."""
     clean = lambda v: ({k: clean(u) for k, u in v.items()} if isinstance(v, dict) else  # noqa: E731
                        [clean(u) for u in v] if isinstance(v, (list, tuple)) else
                        None if isinstance(v, float) and not math.isfinite(v) else v)
-    try:
-        with open(path + '.tmp', 'w') as f:
-            json.dump(clean(obj), f, indent=1)
-        os.replace(path + '.tmp', path)
-    except OSError as e:
-        raise UserError(f'could not write {path}: {e.strerror or e}') from None
-
-
-def pyplot():
-    """matplotlib, imported only where a figure is drawn."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError('figures need matplotlib (pip install matplotlib); the JSON was written') from None
-    return plt
+    save_atomic(path, clean(obj))
 
 
 def save_figure(fig, path):
-    fig.savefig(path, dpi=110, bbox_inches='tight')
+    save_atomic(path, lambda f: fig.savefig(f, format='png', dpi=110, bbox_inches='tight'))
     pyplot().close(fig)
 
 
-def load_model(args):
+def get_model(args):
     """--model / --model-kw (defaults: what our --checkpoint stored) built with --seed, then --checkpoint loaded
-    by the training script's one loader. Returns (model, info for the JSON)."""
-    try:
-        ckpt = torch.load(args.checkpoint, map_location='cpu', weights_only=True) if args.checkpoint else None
-    except Exception:  # an .npz or another format: load_weights reads it, or names the problem
-        ckpt = None
-    stored = ckpt['args'] if isinstance(ckpt, dict) and isinstance(ckpt.get('args'), dict) else {}
-    args.model, args.dataset = args.model or stored.get('model'), args.dataset or stored.get('dataset', 'cifar10')
-    args.norm = stored.get('norm', 'jax')  # ImageNet: the preprocessing our run used, else the official .npz's
-    if not args.model:
-        raise UserError('--model is required (no checkpoint of ours says which model it holds)')
-    script = train_cifar
-    if args.dataset == 'imagenet':
-        import train_imagenet as script
-    kw = script.parse_model_kw(args.model_kw or stored.get('model_kw') or [])
+    (models.load_model: any format). Returns (model, info for the JSON); sets args.dataset, args.norm, args.size."""
     torch.manual_seed(args.seed)
-    model = (script.build_model(args.model, 1000, args.img_size, kw) if args.dataset == 'imagenet' else
-             script.build_model(args.model, NUM_CLASSES[args.dataset], kw))
-    if args.checkpoint:
-        script.load_weights(model, args.checkpoint)
-    return model, dict(model=args.model, model_kw=kw, checkpoint=args.checkpoint, dataset=args.dataset,
-                       init_seed=None if args.checkpoint else args.seed, mode=EVAL_NOTE,
+    model, info = load_model(args.checkpoint, args.model, args.model_kw or None, args.dataset,
+                             img_size=args.img_size if args.dataset == 'imagenet' else None)
+    args.model, args.dataset, args.size = info['name'], info['dataset'], info['img_size']
+    args.norm = info['stored'].get('norm', 'jax')  # ImageNet: the preprocessing our run used, else the .npz's
+    args.classes = info['stored'].get('classes')  # a train_cifar run on some classes only
+    return model, dict(model=args.model, model_kw=parse_model_kw(info['model_kw']), checkpoint=args.checkpoint,
+                       dataset=args.dataset, init_seed=None if args.checkpoint else args.seed, mode=EVAL_NOTE,
                        params=sum(p.numel() for p in model.parameters()))
 
 
 def load_images(args):
     """(images for the figures, float in [0, 1], (n, 3, H, W); the normalised batches [(x, y), ...])."""
     if args.dataset == 'imagenet':  # evenly over the sorted classes
-        import torchvision
-        import train_imagenet
         folder = os.path.join(args.data, 'train' if args.split == 'train' else 'val')
         if not os.path.isdir(folder):
-            raise UserError(f'{folder} is not a folder; {train_imagenet.LAYOUT}')
-        ds = torchvision.datasets.ImageFolder(folder, train_imagenet.eval_transform(args.img_size, norm=args.norm))
+            raise UserError(f'{folder} is not a folder; {LAYOUT}')
+        ds = torchvision.datasets.ImageFolder(folder, eval_transform(args.size, norm=args.norm))
         x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1]))
                                       for i in torch.linspace(0, len(ds) - 1, min(args.n, len(ds))).long()]))
         shown = (x - x.min()) / (x.max() - x.min())  # the network's input, for the figures
-    else:
-        u8, y = train_cifar.load_cifar(args.data, args.dataset, args.split == 'train', args.n)
-        stats = [torch.tensor(v[args.dataset]).view(1, 3, 1, 1) for v in (train_cifar.MEAN, train_cifar.STD)]
-        x, shown = augment.normalize(u8, *stats), u8.float() / 255
+    else:  # as train_cifar.py feeds them: its classes, normalised, upsampled to the run's --img-size
+        u8, y = load_cifar(args.data, args.dataset, args.split == 'train', args.n, args.classes)
+        stats = [torch.tensor(v[args.dataset]).view(1, 3, 1, 1) for v in (MEAN, STD)]
+        x, shown = resize(normalize(u8, *stats), args.size), u8.float() / 255
     return shown, list(zip(x.split(args.batch_size), y.split(args.batch_size)))
 
 
@@ -524,7 +496,7 @@ def main(argv=None):
     path = os.path.join(args.out, f'{args.command}.json')
     if os.path.exists(path) and not args.overwrite:
         raise UserError(f'--out {args.out} already holds {args.command}.json; pick another --out or pass --overwrite')
-    model, info = load_model(args)
+    model, info = get_model(args)
     if args.command == 'attention' and not isinstance(model, vit.VisionTransformer):
         raise UserError(f'attention needs a ViT; {args.model} is a {type(model).__name__}')
     shown, batches = load_images(args)
@@ -602,7 +574,7 @@ def main(argv=None):
                 axes[i, j].set_title(title if i == 0 else '', fontsize=8)
         save_figure(fig, os.path.join(args.out, 'attention_maps.png'))
     write_json(path, info)
-    print(f'  wrote {path} ({train_cifar.fmt_time(time.time() - start)} wall)')
+    print(f'  wrote {path} ({fmt_time(time.time() - start)} wall)')
 
 
 def surface_figure(panels):
@@ -644,34 +616,50 @@ TABLE1 = {  # family: (model, model_kw, epochs, peak lr, rho)
     'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=96', 'depth=4', 'tokens_mlp_dim=48', 'channels_mlp_dim=384'],
               22, 2e-3, 0.1),
 }
-TRAIN_FLAGS = ['--aug', 'basic', '--batch-size', '128', '--wd', '0.05', '--seed', '0', '--test-subset', '1000',
-               '--log-every', '0']
+TRAIN_FLAGS = dict(aug='basic', batch_size=128, wd=0.05, seed=0, test_subset=1000, log_every=0)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def train_run(args, run, argv):
-    """One train_cifar.py subprocess (one OpenMP thread; log in OUT/logs/RUN.log); a finished run is reused."""
-    folder, epochs = os.path.join(args.out, 'runs', run), int(argv[argv.index('--epochs') + 1])
-    last = os.path.join(folder, 'last.pt')
-    if os.path.exists(last):
-        have = torch.load(last, map_location='cpu', weights_only=True)
-        want = vars(train_cifar.get_args(argv))
-        differ = [k for k in ('model', 'model_kw', 'epochs', 'lr', 'sam', 'rho', 'train_subset')
-                  if have['args'][k] != want[k]]
-        if differ:
-            raise UserError(f'{folder} holds another run ({", ".join(differ)} differ); move it away or pick '
-                            'another --out')
-        if have['epoch'] >= epochs:
-            return print(f'  {run}: finished run in {folder}, reused', flush=True)
-    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train_cifar.py'), *argv,
-           *(['--resume', last] if os.path.exists(last) else ['--out', folder])]
-    print(f'  {run}: {" ".join(cmd[1:])}', flush=True)
-    os.makedirs(os.path.join(args.out, 'logs'), exist_ok=True)
-    with open(os.path.join(args.out, 'logs', f'{run}.log'), 'a') as log:
+def script(name, argv, log_path):
+    """Another experiment of this repo, as its user runs it: `python NAME ARGV` (one OpenMP thread), its output
+    appended to log_path; a failure is a UserError naming the log."""
+    cmd = [sys.executable, os.path.join(HERE, name), *map(str, argv)]
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, 'a') as log:
+        log.write(f'$ {" ".join(cmd[1:])}\n')
+        log.flush()
         r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     if r.returncode:
-        raise UserError(f'training {run} failed (exit {r.returncode}); see {log.name}')
-    with open(log.name) as f:
+        raise UserError(f'{name} failed (exit {r.returncode}); see {log_path}')
+
+
+def train_run(args, run, want):
+    """One train_cifar.py run into OUT/runs/RUN (log in OUT/logs/RUN.log); a finished run is reused, a run of
+    other flags refused (read from its own args.json)."""
+    folder = os.path.join(args.out, 'runs', run)
+    last, log = os.path.join(folder, 'last.pt'), os.path.join(args.out, 'logs', f'{run}.log')
+    if os.path.exists(os.path.join(folder, 'args.json')):
+        with open(os.path.join(folder, 'args.json')) as f:
+            have = json.load(f)
+        if differ := [k for k, v in want.items() if have.get(k) != v]:
+            raise UserError(f'{folder} holds another run ({", ".join(differ)} differ); move it away or pick '
+                            'another --out')
+        if torch.load(last, map_location='cpu', weights_only=True)['epoch'] >= want['epochs']:
+            return print(f'  {run}: finished run in {folder}, reused', flush=True)
+    argv = ['--data', args.data, *train_flags(want), *(['--resume', last] if os.path.exists(last) else ['--out', folder])]
+    print(f'  {run}: train_cifar.py {" ".join(map(str, argv))}', flush=True)
+    script('train_cifar.py', argv, log)
+    with open(log) as f:
         print(f'  {run}: {[line for line in f if line.startswith("done")][-1].strip()}', flush=True)
+
+
+def train_flags(want):
+    """train_cifar.py's command line for the flags in `want` (as its args.json writes them)."""
+    out = []
+    for k, v in want.items():
+        flag = '--' + k.replace('_', '-')
+        out += [flag] if v is True else [] if v in (False, []) else [flag, *v] if isinstance(v, list) else [flag, v]
+    return out
 
 
 CACHE_LOCK = threading.Lock()
@@ -680,28 +668,32 @@ CACHE_LOCK = threading.Lock()
 def measure_run(args, run, family, d, log):
     """Train one run (train_run), then measure it; the numbers are kept in OUT/runs/RUN/geometry.json, so a
     second call only adds what is missing (e.g. the corruption column)."""
-    train_run(args, run, d['argv'][run])
-    path = os.path.join(args.out, 'runs', run, 'geometry.json')
+    train_run(args, run, d['runs'][run])
+    folder = os.path.join(args.out, 'runs', run)
+    path = os.path.join(folder, 'geometry.json')
     m = json.load(open(path)) if os.path.exists(path) else {}
-    model = train_cifar.build_model(TABLE1[family][0], 10, train_cifar.parse_model_kw(TABLE1[family][1]))
-    train_cifar.load_weights(model, os.path.join(args.out, 'runs', run, 'last.pt'))
+    model = build_model(TABLE1[family][0], 10, 32, parse_model_kw(TABLE1[family][1]), cifar=True)
+    load_weights(model, os.path.join(folder, 'last.pt'))
     if 'lambda_max' not in m:  # PyHessian's tol, at most 20 Hessian-vector products
         m['lambda_max'] = hessian_eigenvalue(model, F.cross_entropy, d['hessian'], iters=20, tol=1e-3, progress=log)
     if 'test_acc' not in m:  # eval mode, no augmentation; the whole training subset and test set
-        m['train_error'] = 100 - train_cifar.evaluate(model, d['train_u8'], d['train_y'], *d['stats'], 500)['top1']
-        m['test_acc'] = train_cifar.evaluate(model, d['test_u8'], d['test_y'], *d['stats'], 500)['top1']
+        m['train_error'] = 100 - evaluate(model, d['train_u8'], d['train_y'], *d['stats'], 500)['top1']
+        m['test_acc'] = evaluate(model, d['test_u8'], d['test_y'], *d['stats'], 500)['top1']
         m['active'] = active_neurons(model, d['hessian'])
     if family == 'vit' and 'landscape' not in m:  # the same directions seed for both ViTs
         coords, losses = loss_landscape(model, F.cross_entropy, d['hessian'][:2], 2, 11, 1.0, progress=log)  # 500
         m.update(landscape=dict(coords=coords.tolist(), loss=losses.tolist()),
                  attention_distance_px=attention_distance(model, d['attention']).tolist())
-    if args.corruption_n and m.get('corruption_n') != args.corruption_n:
-        import robustness  # issue 14; the corrupted set is cached in OUT by the first call
-        c = train_cifar.balanced_subset(d['test_y'], args.corruption_n, 10)
+    if args.corruption_n and m.get('corruption_n') != args.corruption_n:  # robustness.py on the same test images
+        rob = os.path.join(folder, 'robustness')
         with CACHE_LOCK:  # one writer of the shared cache: the first run corrupts the set, the others read it
-            r = robustness.corruption_accuracy(model, d['test_u8'][c], d['test_y'][c], train_cifar.MEAN['cifar10'],
-                                               train_cifar.STD['cifar10'], seed=0, batch_size=500,
-                                               cache_dir=os.path.join(args.out, f'cifar10c-{args.corruption_n}'))
+            script('robustness.py', ['--benchmark', 'corrupt', '--data', args.data, '--subset', args.corruption_n,
+                                     '--checkpoint', os.path.join(folder, 'last.pt'), '--seed', 0, '--workers', 0,
+                                     '--eval-batch-size', 500, '--no-plot', '--overwrite', '--out', rob,
+                                     '--cache', os.path.join(args.out, f'cifar10c-{args.corruption_n}')],
+                   os.path.join(args.out, 'logs', f'{run}.log'))
+        with open(os.path.join(rob, 'results.json')) as f:
+            r = json.load(f)
         m.update(corruption_n=args.corruption_n, corruption_acc=r['mean_acc'], corruption_gap=r['gap'],
                  corruption_note=r['note'])  # gap: clean accuracy on the same images minus corruption_acc
     write_json(path, m)
@@ -715,39 +707,38 @@ def table1(args):
     if os.path.exists(os.path.join(args.out, 'table1.json')):
         raise UserError(f'--out {args.out} already holds table1.json; move it away (runs and measurements in '
                         'OUT/runs are reused)')
-    argv = {f'{f}_{opt}': ['--data', args.data, '--model', m, *(['--model-kw', *kw] if kw else []), '--epochs', str(ep),
-                           '--lr', str(lr), '--train-subset', str(args.train_subset), *TRAIN_FLAGS,
-                           *(['--sam', '--rho', str(rho)] if opt == 'sam' else [])]
+    runs = {f'{f}_{opt}': dict(model=m, model_kw=kw, epochs=ep, lr=lr, train_subset=args.train_subset, **TRAIN_FLAGS,
+                               sam=opt == 'sam', **(dict(rho=rho) if opt == 'sam' else {}))
             for opt in ('sam', 'adamw') for f, (m, kw, ep, lr, rho) in TABLE1.items()}  # the longer SAM runs first
-    print(f'geometry.py table1 | {len(argv)} runs on {args.train_subset:,} CIFAR-10 training images | {EVAL_NOTE}')
-    train_u8, train_y = train_cifar.load_cifar(args.data, 'cifar10', True, args.train_subset)
-    test_u8, test_y = train_cifar.load_cifar(args.data, 'cifar10', False)
-    stats = [torch.tensor(v).view(1, 3, 1, 1) for v in (train_cifar.MEAN['cifar10'], train_cifar.STD['cifar10'])]
-    h = train_cifar.balanced_subset(train_y, args.hessian_n, 10)
-    d = dict(argv=argv, train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, stats=stats,
-             hessian=list(zip(augment.normalize(train_u8[h], *stats).split(250), train_y[h].split(250))),
-             attention=augment.normalize(test_u8[train_cifar.balanced_subset(test_y, 128, 10)], *stats))
+    print(f'geometry.py table1 | {len(runs)} runs on {args.train_subset:,} CIFAR-10 training images | {EVAL_NOTE}')
+    train_u8, train_y = load_cifar(args.data, 'cifar10', True, args.train_subset)
+    test_u8, test_y = load_cifar(args.data, 'cifar10', False)
+    stats = [torch.tensor(v).view(1, 3, 1, 1) for v in (MEAN['cifar10'], STD['cifar10'])]
+    h = balanced_subset(train_y, args.hessian_n, 10)
+    d = dict(runs=runs, train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, stats=stats,
+             hessian=list(zip(normalize(train_u8[h], *stats).split(250), train_y[h].split(250))),
+             attention=normalize(test_u8[balanced_subset(test_y, 128, 10)], *stats))
     log = progress_printer('table1', every=30)
 
     # --- 1. NTK kappa at initialisation, the runs' initial weights (train_cifar seeds with --seed 0, then builds);
     # the official zero head drawn like the other dense layers, BatchNorm statistics of these images
-    ntk_x = augment.normalize(train_u8[train_cifar.balanced_subset(train_y, args.ntk_n, 10)], *stats)
+    ntk_x = normalize(train_u8[balanced_subset(train_y, args.ntk_n, 10)], *stats)
     init = {}
     for family, (name, kw, *_) in TABLE1.items():
         torch.manual_seed(0)
-        model = train_cifar.build_model(name, 10, train_cifar.parse_model_kw(kw))
+        model = build_model(name, 10, 32, parse_model_kw(kw), cifar=True)
         init[family] = dict(params=sum(p.numel() for p in model.parameters()), head_drawn=draw_zero_head_(model),
                             bn_calibrated=calibrate_batchnorm_(model, [(ntk_x,)]))
         for red in ('trace', 'sum'):
             init[family][f'kappa_{red}'] = ntk_condition_number(model, ntk_x, red, progress=log)[0]
         print(f"  {family} at init: kappa {init[family]['kappa_trace']:.4g} (trace), {init[family]['kappa_sum']:.4g} "
-              f"(sum) | {train_cifar.fmt_time(time.time() - t0)}", flush=True)
+              f"(sum) | {fmt_time(time.time() - t0)}", flush=True)
 
     # --- 2. train (train_cifar.py subprocesses, one thread each) and measure, --jobs runs at a time
     torch.set_num_threads(1)  # each worker thread computes on one core, beside its neighbour's training
-    runs = [(run, run.rsplit('_', 1)[0]) for run in argv]
+    todo = [(run, run.rsplit('_', 1)[0]) for run in runs]
     with ThreadPoolExecutor(args.jobs) as pool:
-        measured = dict(zip(argv, pool.map(lambda r: measure_run(args, *r, d, log), runs)))
+        measured = dict(zip(runs, pool.map(lambda r: measure_run(args, *r, d, log), todo)))
     rows = []
     for family in TABLE1:
         for run in (f'{family}_adamw', f'{family}_sam'):
@@ -773,12 +764,12 @@ def table1(args):
                      + (f" {r.get('corruption_acc', math.nan):.2f} | {r.get('corruption_gap', math.nan):.1f} |"
                         if corrupt else ''))
     wall = time.time() - t0
-    md = '\n'.join(lines) + f'\n\nwall {train_cifar.fmt_time(wall)}\n'
+    md = '\n'.join(lines) + f'\n\nwall {fmt_time(wall)}\n'
     write_json(os.path.join(args.out, 'table1.json'), dict(rows=rows, wall_s=wall, args=vars(args),
                                                           train_flags=TRAIN_FLAGS, table1=TABLE1))
     with open(os.path.join(args.out, 'table1.md'), 'w') as f:
         f.write(md)
-    print(md + f'done | table1 | {train_cifar.fmt_time(wall)} wall | {os.path.join(args.out, "table1.md")}')
+    print(md + f'done | table1 | {fmt_time(wall)} wall | {os.path.join(args.out, "table1.md")}')
 
 
 if __name__ == '__main__':

@@ -17,7 +17,7 @@ corruptions, errors normalised by AlexNet's), which is not the paper's figure.
 --attack pgd|fgsm       clean and robust accuracy on the clean set (Madry et al. 2018; pgd.py).
 `robustness.py compare A.json B.json --out x.png` draws the runs side by side. Under torchrun each image is
 counted once. Preprocessing is the checkpoint's own: CIFAR models see 32 px with their data set's mean/std;
-ImageNet models train_imagenet.eval_transform's resize + centre crop with their recipe's size, crop_pct,
+ImageNet models data.eval_transform's resize + centre crop with their recipe's size, crop_pct,
 interpolation and norm (our last.pt stores them; the flags override them).
 """
 import argparse
@@ -37,14 +37,13 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
-from torchvision.transforms import v2
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, make_dataset
 
-import train_cifar
-import train_imagenet
 from augment import normalize
+from data import MEAN, MEANS, NUM_CLASSES, STD, eval_transform, folder_batches, folder_samples, load_cifar
+from models import load_model
 from pgd import fgsm, pgd
-from train_cifar import UserError  # one user-error mechanism for every script: one line, exit 1
+from utils import EXTRAS, UserError, epoch_seed, fmt_time, init_group, leave, pyplot, save_atomic, setup, stored_args
 
 # The benchmark's constants (Hendrycks & Dietterich 2019, Sec. 3 and Fig. 1).
 GROUPS = {'noise': ['gaussian_noise', 'shot_noise', 'impulse_noise'],
@@ -62,7 +61,8 @@ ALEXNET_ERR = dict(zip(BENCHMARK_15, [0.886428, 0.894468, 0.922640, 0.819880, 0.
                                       0.606500]))
 NOTE = ("on-the-fly corruptions: ImageNet-C's severity constants (imagecorruptions-imaug {v}) applied at "
         '{h}x{w} px, seed {seed}; this is NOT the published {which}')
-EXTRAS = 'pip install -r requirements-extras.txt'
+PLOT_HINT = ' (or pass --no-plot)'
+EVAL_PREP = dict(norm='jax', crop_pct=0.875, eval_interp='bilinear')  # train_imagenet's sam recipe
 
 
 def get_args(argv=None):
@@ -80,7 +80,7 @@ def get_args(argv=None):
     p.add_argument('--checkpoint', required=True, metavar='PATH', help='any format the training scripts load')
     # ImageNet models only; default: from our last.pt, else the SAM recipe (timm's SAM ViTs: 0.9, bicubic)
     p.add_argument('--img-size', type=int, help='input px (default: from last.pt, else 224)')
-    p.add_argument('--norm', choices=list(train_imagenet.MEANS), help='input mean/std; jax = (x - 0.5) / 0.5')
+    p.add_argument('--norm', choices=list(MEANS), help='input mean/std; jax = (x - 0.5) / 0.5')
     p.add_argument('--crop-pct', type=float, help='resize to img_size / crop_pct, then centre-crop img_size')
     p.add_argument('--eval-interp', choices=['bilinear', 'bicubic'], help='the resize filter')
     p.add_argument('--corruptions', nargs='+', default=CORRUPTIONS, choices=CORRUPTIONS, metavar='NAME')
@@ -185,17 +185,13 @@ def count(model, batches, mean, std, amp=False, mask=None):
 # On-the-fly corruption with the benchmark's own code, through the imagecorruptions-imaug fork (the
 # original 1.1.2 no longer imports on current setuptools). Each image is seeded from its own key
 # (seed, corruption, severity, index): no RNG stream is shared, so batches, workers and ranks agree.
-def image_seed(*key):
-    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1)[0])
-
-
 def corrupt_chunk(task):
     """(images (B, H, W, 3) uint8, index of the first, corruption, severity, seed) -> corrupted copy."""
     from imagecorruptions import corrupt
     images, start, corruption, severity, seed = task
     out = np.empty_like(images)
     for i, image in enumerate(images):
-        s = image_seed(seed, CORRUPTIONS.index(corruption), severity, start + i)
+        s = epoch_seed(seed, CORRUPTIONS.index(corruption), severity, start + i)
         np.random.seed(s)  # most corruptions draw from numpy's global RNG, but these two from a fresh
         kw = {'seed': s} if corruption in ('glass_blur', 'impulse_noise') else {}  # default_rng unless seeded
         out[i] = corrupt(image, severity=severity, corruption_name=corruption, **kw)
@@ -249,8 +245,8 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
                 os.makedirs(cache_dir, exist_ok=True)
             except OSError as e:
                 raise UserError(f'--cache {cache_dir}: {e.strerror or e}')
-            atomic(os.path.join(cache_dir, 'labels.npy'), lambda f: np.save(f, np.tile(labels, len(SEVERITIES))))
-            atomic(path, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+            save_atomic(os.path.join(cache_dir, 'labels.npy'), lambda f: np.save(f, np.tile(labels, len(SEVERITIES))))
+            save_atomic(path, meta)
         cached = {c for c in corruptions if os.path.isfile(os.path.join(cache_dir, f'{c}.npy'))}
         if world > 1:  # every rank works from rank 0's view (another rank may look before rank 0 wrote)
             box = [cached]
@@ -275,11 +271,11 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
                     if world > 1:
                         dist.all_gather_object(everyone, rows)
                     if rank == 0:
-                        atomic(os.path.join(cache_dir, f'{c}.npy'), lambda f: np.save(f, np.concatenate(
+                        save_atomic(os.path.join(cache_dir, f'{c}.npy'), lambda f: np.save(f, np.concatenate(
                             [np.concatenate([p[s] for p in everyone]) for s in SEVERITIES])))
                 if progress:
                     print(f'corrupted {c} ({i + 1}/{len(corruptions)}): {hi - lo:,} images x {len(made)} severities '
-                          f'| {train_cifar.fmt_time(time.time() - t0)} elapsed', file=sys.stderr, flush=True)
+                          f'| {fmt_time(time.time() - t0)} elapsed', file=sys.stderr, flush=True)
             counts += [count(model, array_batches(rows[s], labels[lo:hi], 0, hi - lo, batch_size), mean, std, amp)
                        for s in severities]
     finally:
@@ -348,50 +344,6 @@ def imagenet_r_mask(classes):
     return torch.tensor(sorted(classes.index(w) for w in r_wnids))
 
 
-def folder_samples(root, subset=0):
-    """An ImageFolder set: (sorted wnids, [(path, class index)]); subset: the first N/C of each class."""
-    try:
-        classes, class_to_idx = find_classes(root)
-    except (FileNotFoundError, NotADirectoryError) as e:
-        raise UserError(f'{root}: {e} (expected DIR/<wnid>/*.JPEG)')
-    samples = make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
-    if subset:
-        per = [[s for s in samples if s[1] == c][:subset // len(classes) + (c < subset % len(classes))]
-               for c in range(len(classes))]
-        samples = sorted(s for p in per for s in p)
-        if len(samples) < subset:
-            raise UserError(f'{root} has too few images of some class for a class-balanced --subset {subset}')
-    return classes, samples
-
-
-class Samples(torch.utils.data.Dataset):
-    """(path, label) pairs -> (uint8 image (3, S, S), label, index). An image PIL cannot decode comes back
-    with label -1 (an exception in a loader worker arrives inside its traceback); folder_batches names it."""
-
-    def __init__(self, samples, transform):
-        self.samples, self.transform, self.size = samples, transform, transform.transforms[1].size  # centre crop's
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        try:
-            return self.transform(default_loader(self.samples[i][0])), self.samples[i][1], i
-        except (OSError, ValueError):  # PIL: cannot identify image file, truncated, ...
-            return torch.zeros(3, *self.size, dtype=torch.uint8), -1, i
-
-
-def folder_batches(samples, transform, batch_size, workers, rank, world):
-    """Rank r reads samples r, r + W, ... -> (x uint8 (B, 3, S, S), y, index into samples)."""
-    data = torch.utils.data.Subset(Samples(samples, transform), range(rank, len(samples), world))
-    loader = torch.utils.data.DataLoader(data, batch_size, num_workers=workers, pin_memory=torch.cuda.is_available())
-    for x, y, i in loader:
-        if (y < 0).any():  # still on the CPU: no host sync
-            raise UserError(f'cannot decode {samples[int(i[y < 0][0])][0]} (corrupt or truncated); '
-                            'replace or delete it')
-        yield x, y, i
-
-
 # -----------------------------------------------------------------------------
 def attack_counts(model, batches, mean, std, kind, eps, alpha, steps, seed):
     """batches of (uint8 x, labels, indices) -> [clean correct, robust correct, n] on this process, in fp32.
@@ -404,7 +356,7 @@ def attack_counts(model, batches, mean, std, kind, eps, alpha, steps, seed):
         if kind == 'fgsm':
             x_adv = fgsm(model, x, y, eps, normalize=pixels)
         else:
-            start = torch.stack([torch.rand(x.shape[1:], generator=torch.Generator().manual_seed(image_seed(seed, i)))
+            start = torch.stack([torch.rand(x.shape[1:], generator=torch.Generator().manual_seed(epoch_seed(seed, i)))
                                  for i in idx.tolist()]).to(x.device) * 2 * eps - eps
             x_adv = pgd(model, x, y, eps, alpha, steps, random_start=start, normalize=pixels)
         with torch.no_grad():
@@ -413,48 +365,25 @@ def attack_counts(model, batches, mean, std, kind, eps, alpha, steps, seed):
     return k
 
 
-def load_model(args, stored, dataset, num_classes, device):
-    """-> model (eval mode, on device), its name, model_kw strings, preprocessing dict."""
-    name = args.model or stored.get('model')
-    if not name:
-        raise UserError(f'give --model: {args.checkpoint} does not say which model it holds')
-    kw = args.model_kw if args.model_kw is not None else stored.get('model_kw') or []
-    if dataset == 'imagenet':
-        recipe = train_imagenet.RECIPES[stored.get('recipe') or 'sam']
-        prep = {k: getattr(args, k) or stored.get(k) or recipe.get(k) for k in ('norm', 'crop_pct', 'eval_interp')}
-        prep['img_size'] = args.img_size or stored.get('img_size') or 224
-        prep['mean'], prep['std'] = train_imagenet.MEANS[prep['norm']]
-        model = train_imagenet.build_model(name, num_classes, prep['img_size'], train_imagenet.parse_model_kw(kw))
-        train_imagenet.load_weights(model, args.checkpoint)
-    else:
-        prep = dict(img_size=32, mean=train_cifar.MEAN[dataset], std=train_cifar.STD[dataset])
-        model = train_cifar.build_model(name, train_cifar.NUM_CLASSES[dataset], train_cifar.parse_model_kw(kw))
-        train_cifar.load_weights(model, args.checkpoint)
-    return model.to(device).eval(), name, kw, prep
+def preprocessing(args, stored, dataset):
+    """What the model expects: CIFAR its data set's mean/std at 32 px; ImageNet the flags, else what our last.pt
+    stored, else the SAM recipe's (timm's SAM ViTs: crop 0.9, bicubic: pass them)."""
+    if dataset != 'imagenet':
+        return dict(img_size=32, mean=MEAN[dataset], std=STD[dataset])
+    prep = {k: getattr(args, k) or stored.get(k) or EVAL_PREP[k] for k in ('norm', 'crop_pct', 'eval_interp')}
+    prep['img_size'] = args.img_size or stored.get('img_size') or 224
+    prep['mean'], prep['std'] = MEANS[prep['norm']]
+    return prep
 
 
-def eval_transform(prep):
-    """train_imagenet.eval_transform's resize, centre crop and PILToTensor (uint8); its ToDtype + Normalize
-    run on the device instead (augment.normalize, the same arithmetic), so attacks and corruptions see pixels."""
-    t = train_imagenet.eval_transform(prep['img_size'], prep['crop_pct'], prep['eval_interp'], prep['norm'])
-    assert isinstance(t.transforms[-1], v2.Normalize) and isinstance(t.transforms[-2], v2.ToDtype)
-    return v2.Compose(t.transforms[:-2])
+def uint8_transform(prep):
+    """data.eval_transform's resize, centre crop and PILToTensor (uint8); its ToDtype + Normalize run on the
+    device instead (augment.normalize, the same arithmetic), so that attacks and corruptions see pixels."""
+    return eval_transform(prep['img_size'], prep['crop_pct'], prep['eval_interp'], prep['norm'], to_float=False)
 
 
 # -----------------------------------------------------------------------------
 # Output: a console table, results.json, results.csv, heatmap.png; `compare` draws bars of two or more.
-def atomic(path, write):
-    """write(file) into PATH.tmp, then os.replace: a reader sees the old file or the new one."""
-    try:
-        with open(f'{path}.tmp', 'wb') as f:
-            write(f)
-        os.replace(f'{path}.tmp', path)
-    except OSError as e:
-        if os.path.exists(f'{path}.tmp'):
-            os.remove(f'{path}.tmp')
-        raise UserError(f'could not write {path}: {e.strerror or e}')
-
-
 def table(r):
     out = [f'{r["benchmark"]} on {r["dataset"]} | {r["model"]} | {r["checkpoint"]} | clean {r["clean"]["acc"]:.2f}% '
            f'of {r["clean"]["n"]:,} images']
@@ -490,18 +419,8 @@ def csv_text(r):
     return f.getvalue()
 
 
-def pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError(f'plots need matplotlib; {EXTRAS} (or pass --no-plot)') from None
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def heatmap(r, path):
-    plt = pyplot()
+    plt = pyplot(PLOT_HINT)
     sev, grid = list(next(iter(r['acc'].values()))), np.array([list(per.values()) for per in r['acc'].values()])
     fig, ax = plt.subplots(figsize=(1.1 * len(sev) + 3.5, 0.32 * len(grid) + 1.6))
     im = ax.imshow(grid, cmap='viridis', vmin=0, vmax=100, aspect='auto')
@@ -513,7 +432,7 @@ def heatmap(r, path):
                  f'clean {r["clean"]["acc"]:.1f}%', fontsize=9)
     fig.colorbar(im, ax=ax, label='top-1 accuracy (%)')
     fig.tight_layout()
-    atomic(path, lambda f: fig.savefig(f, format='png', dpi=120))
+    save_atomic(path, lambda f: fig.savefig(f, format='png', dpi=120))
     plt.close(fig)
 
 
@@ -535,7 +454,7 @@ def compare(argv):
             raise UserError(f'cannot read {path}: {e}')
         if 'corruption_mean' not in runs[-1]:
             raise UserError(f'{path} holds no corruption figures (from a --benchmark run of robustness.py)')
-    plt = pyplot()
+    plt = pyplot(PLOT_HINT)
     keys = [c for c in runs[0]['corruption_mean'] if all(c in r['corruption_mean'] for r in runs)]
     fig, ax = plt.subplots(figsize=(0.3 * (len(keys) + 2) * len(runs) + 2.5, 4))
     for j, (r, label) in enumerate(zip(runs, args.labels or [f'{r["model"]} ({r["checkpoint"]})' for r in runs])):
@@ -546,7 +465,7 @@ def compare(argv):
     ax.set(ylabel='top-1 accuracy (%), mean over severities', title=runs[0]['benchmark'])
     ax.legend(fontsize=8)
     fig.tight_layout()
-    atomic(args.out, lambda f: fig.savefig(f, format='png', dpi=120))
+    save_atomic(args.out, lambda f: fig.savefig(f, format='png', dpi=120))
     plt.close(fig)
     print(f'wrote {args.out}')
 
@@ -571,12 +490,12 @@ def main(argv=None):
     except OSError as e:
         raise UserError(f'--out {args.out} is not writable: {e.strerror or e}')
     if args.benchmark and not args.no_plot:
-        pyplot()
+        pyplot(PLOT_HINT)
     if args.benchmark == 'corrupt':
         corruption_package()
     if not os.path.isfile(args.checkpoint):
         raise UserError(f'--checkpoint {args.checkpoint}: no such file')
-    stored = train_imagenet.stored_args(args.checkpoint, '--checkpoint') or {}  # our last.pt (either script), else {}
+    stored = stored_args(args.checkpoint, '--checkpoint') or {}  # our last.pt (any script), else {}
     dataset = (args.dataset or stored.get('dataset') or ('imagenet' if 'recipe' in stored else None)
                or ('cifar10' if args.benchmark == 'cifar10-c' else 'imagenet'))
     if args.benchmark in ('imagenet-c', 'imagenet-r') and dataset != 'imagenet':
@@ -589,19 +508,17 @@ def main(argv=None):
         mask = imagenet_r_mask(classes) if args.benchmark == 'imagenet-r' else None
 
     # --- distributed setup, the torchrun way; the model and the clean set ---
-    rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
-    device = torch.device(f'cuda:{os.environ.get("LOCAL_RANK", 0)}' if torch.cuda.is_available() else 'cpu')
-    if device.type == 'cuda':
-        torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
-    amp, batch = args.amp == 'bf16' or (args.amp == 'auto' and device.type == 'cuda'), args.eval_batch_size
+    proc = setup(args.amp)  # rank, device (cuda:LOCAL_RANK when there is a GPU)
+    rank, world, device, amp, batch = proc.rank, proc.world, proc.device, proc.amp == 'bf16', args.eval_batch_size
+    init_group(proc)
+    prep = preprocessing(args, stored, dataset)
+    model, info = load_model(args.checkpoint, args.model, args.model_kw, dataset, img_size=prep['img_size'],
+                             num_classes=len(classes) if dataset == 'imagenet' else NUM_CLASSES[dataset])
+    model, name, kw = model.to(device), info['name'], info['model_kw']
     if dataset == 'imagenet':
-        model, name, kw, prep = load_model(args, stored, dataset, len(classes), device)
-        transform = eval_transform(prep)
+        transform = uint8_transform(prep)
     else:
-        model, name, kw, prep = load_model(args, stored, dataset, None, device)
-        x_clean, y_clean = train_cifar.load_cifar(clean_root, dataset, train=False, subset=args.subset)
+        x_clean, y_clean = load_cifar(clean_root, dataset, train=False, subset=args.subset)
         clean_hwc = x_clean.permute(0, 2, 3, 1).numpy()
     mean, std = (torch.tensor(prep[k], dtype=torch.float32, device=device).view(1, 3, 1, 1) for k in ('mean', 'std'))
     r = {'benchmark': args.benchmark or 'attack', 'model': name, 'model_kw': kw, 'checkpoint': args.checkpoint,
@@ -666,12 +583,12 @@ def main(argv=None):
     r['wall_s'] = time.time() - t_start
     if rank == 0:
         print(table(r))
-        atomic(out_json, lambda f: f.write(json.dumps(r, indent=1, allow_nan=False).encode()))
-        atomic(os.path.join(args.out, 'results.csv'), lambda f: f.write(csv_text(r).encode()))
+        save_atomic(out_json, r)
+        save_atomic(os.path.join(args.out, 'results.csv'), lambda f: f.write(csv_text(r).encode()))
         if 'acc' in r and not args.no_plot:
             heatmap(r, os.path.join(args.out, 'heatmap.png'))
-        print(f'done | {name} | {r["benchmark"]} | {train_cifar.fmt_time(r["wall_s"])} wall | {args.out}')
-    train_cifar.leave(world > 1)  # (a barrier first: rank 0 may still be writing)
+        print(f'done | {name} | {r["benchmark"]} | {fmt_time(r["wall_s"])} wall | {args.out}')
+    leave(world > 1)  # (a barrier first: rank 0 may still be writing)
     return r
 
 

@@ -46,10 +46,13 @@ import torchvision
 from torchvision.transforms import v2
 
 import augment
-import train_cifar
 import vit
+from data import MEAN, NUM_CLASSES, STD, load_cifar
+from models import build_model, load_weights, parse_model_kw
 from sam import SAM, first_pass, second_pass
-from train_cifar import UserError  # one user-error mechanism for every script: one line, exit 1
+from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
+                   one_line, prepare_out, rank_zero_first, read_checkpoint, restore, save_atomic, setup,
+                   since_checkpoint, wrap_ddp)
 
 # BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
 AUG = dict(ratio=(3 / 4, 4 / 3), jitter=(0.4, 0.4, 0.2, 0.1), p_jitter=0.8, p_gray=0.2,
@@ -116,7 +119,7 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     # One of our runs: what it stored is the default of every flag not given (argparse fills only unset ones).
     run = args.resume or (args.checkpoint if args.eval_only and not str(args.checkpoint).endswith('.npz') else None)
-    ckpt = train_cifar.read_checkpoint(run, '--resume' if args.resume else '--checkpoint') if run else None
+    ckpt = read_checkpoint(run, '--resume' if args.resume else '--checkpoint') if run else None
     if isinstance(ckpt, dict) and RUN_KEYS <= ckpt.keys():
         keep = [k for k in ckpt['args'] if k not in NOT_INHERITED] if args.resume else ARCH
         args = p.parse_args(argv, namespace=argparse.Namespace(**{k: ckpt['args'][k] for k in keep}))
@@ -130,87 +133,19 @@ def get_args(argv=None):
     args.out = args.out or (str(Path(args.resume).parent) if args.resume else 'runs/contrastive')
     args.img_size = args.img_size or (224 if args.dataset == 'imagenet' else 32)
     args.lr = args.lr or 1.5e-4 * args.batch_size / 256  # MoCo v3: base lr 1.5e-4 per 256 images
-    for k in ('epochs', 'batch_size', 'eval_batch_size', 'knn_k', 'linear_epochs', 'img_size', 'proj_hidden',
-              'proj_dim'):
-        if getattr(args, k) <= 0:
-            raise UserError(f'--{k.replace("_", "-")} must be a positive integer, got {getattr(args, k)}')
-    for k in ('train_subset', 'test_subset', 'log_every', 'eval_every', 'stop_after_epoch', 'workers', 'warmup_epochs',
-              'wd', 'clip_grad', 'rho', 'lr'):
-        if getattr(args, k) < 0:
-            raise UserError(f'--{k.replace("_", "-")} must be >= 0, got {getattr(args, k)}')
-    if not (0 < args.crop_min <= 1 and 0 <= args.moco_m <= 1 and args.tau > 0 and args.knn_t > 0):
-        raise UserError('--crop-min must be in (0, 1], --moco-m in [0, 1], --tau and --knn-t positive')
+    check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'knn_k', 'linear_epochs', 'img_size', 'proj_hidden',
+                        'proj_dim', 'crop_min', 'tau', 'knn_t', 'linear_lr'],
+                 ['train_subset', 'test_subset', 'log_every', 'eval_every', 'stop_after_epoch', 'workers',
+                  'warmup_epochs', 'wd', 'clip_grad', 'rho', 'lr', 'moco_m', 'seed'], dict(crop_min=1, moco_m=1))
     if args.warmup_epochs > args.epochs:
         raise UserError(f'--warmup-epochs {args.warmup_epochs} exceeds --epochs {args.epochs}')
     return args
 
 
 # -----------------------------------------------------------------------------
-# Views, on the device and batched: between ops an image is float32 holding integers 0..255, rounded
-# as torchvision's uint8 ops round, so each op equals torchvision.transforms.v2's (augment.py; the ops
-# below are tested here). An image that did not draw an op gets its identity parameter or keeps its
-# pixels by torch.where: no boolean indexing, no host sync.
-def adjust_hue(x, f):
-    """torchvision's adjust_hue per image (f: (B, 1, 1) in [-0.5, 0.5]): RGB -> HSV (PIL's formulas),
-    h <- (h + f) mod 1, HSV -> RGB, back to integers as to_dtype(uint8) does."""
-    x = x * (1.0 / 255)
-    r, g, _ = x.unbind(1)
-    maxc, minc = x.amax(1), x.amin(1)
-    eqc, ones = maxc == minc, torch.ones_like(maxc)  # grey pixels: h = s = 0 (divisors replaced by 1)
-    s = (maxc - minc) / torch.where(eqc, ones, maxc)
-    rc, gc, bc = ((maxc.unsqueeze(1) - x) / torch.where(eqc, ones, maxc - minc).unsqueeze(1)).unbind(1)
-    hr = (bc - gc) * (maxc == r)
-    hg = (rc + 2.0 - bc) * ((maxc == g) & (maxc != r))
-    hb = (gc + 4.0 - rc) * ((maxc != g) & (maxc != r))
-    h = (((hr + hg + hb) * (1.0 / 6.0) + 1.0).fmod(1.0) + f).remainder(1.0)
-    h6 = h * 6  # sector i = floor(6h) picks each channel from (v, p, q, t)
-    i = h6.floor()
-    frac, i = h6 - i, i.int().remainder(6)
-    v, p, q, t = maxc, (1.0 - s) * maxc, (1.0 - s * frac) * maxc, (s * frac + (1.0 - s)) * maxc
-    p, q, t = p.clamp(0, 1), q.clamp(0, 1), t.clamp(0, 1)
-    red = torch.where(i == 0, v, torch.where(i == 1, q, torch.where(i <= 3, p, torch.where(i == 4, t, v))))
-    green = torch.where(i == 0, t, torch.where(i <= 2, v, torch.where(i == 3, q, p)))
-    blue = torch.where(i <= 1, p, torch.where(i == 2, t, torch.where(i <= 4, v, q)))
-    return torch.stack([red, green, blue], 1).mul_(255 + 1.0 - 1e-3).floor_()
-
-
-def color_jitter(x, factors, order):
-    """ColorJitter: brightness, contrast, saturation factors and a hue offset (factors (B, 4) float64), in
-    a per-image order (B, 4) (a permutation of 0..3 per row): slot s of image b runs op order[b, s]."""
-    B = len(x)
-    for slot in range(4):
-        for k, fn in enumerate((augment.adjust_brightness, augment.adjust_contrast, augment.adjust_saturation)):
-            x = fn(x, torch.where(order[:, slot] == k, factors[:, k], 1.0))  # factor 1: the exact identity
-        x = torch.where((order[:, slot] == 3).view(B, 1, 1, 1), adjust_hue(x, factors[:, 3].float().view(B, 1, 1)), x)
-    return x
-
-
-def gaussian_blur(x, sigma, kernel_size):
-    """torchvision's gaussian_blur per image (sigma (B,)): reflect padding, one grouped conv, rounded."""
-    B, C, H, W = x.shape
-    lim = (kernel_size - 1) / (2 * math.sqrt(2))
-    k1 = torch.softmax(-(torch.linspace(-lim, lim, kernel_size, device=x.device) / sigma[:, None]).pow(2), 1)
-    k2 = (k1[:, :, None] * k1[:, None, :]).repeat_interleave(C, 0)[:, None]  # (B*C, 1, k, k)
-    out = F.conv2d(F.pad(x.reshape(1, B * C, H, W), [kernel_size // 2] * 4, mode='reflect'), k2, groups=B * C)
-    return out.view(B, C, H, W).round_()
-
-
-def resized_crop_flip(x, top, left, height, width, size, flip):
-    """Per-image boxes ((B,) float64 pixel counts) resized bilinearly to size x size as torchvision's
-    resized_crop (align_corners=False, edges clamped to the box; antialias is a no-op when enlarging),
-    mirrored where flip (B,). augment.py's is for squares; this one for any aspect ratio."""
-    B, _, H, W = x.shape
-    u = torch.arange(size, dtype=torch.float64, device=x.device)
-    # output pixel u reads the box at (u + 0.5) * side / size - 0.5, clamped to [0, side - 1]
-    ox = ((u + 0.5) * width[:, None] / size - 0.5).clamp(min=0).minimum(width[:, None] - 1)  # (B, size)
-    oy = ((u + 0.5) * height[:, None] / size - 0.5).clamp(min=0).minimum(height[:, None] - 1)
-    gx, gy = left[:, None] + ox, top[:, None] + oy
-    gx = torch.where(flip[:, None], gx.flip(1), gx)
-    grid = torch.stack([((2 * gx + 1) / W - 1)[:, None, :].expand(B, size, size),
-                        ((2 * gy + 1) / H - 1)[:, :, None].expand(B, size, size)], -1)
-    return F.grid_sample(x, grid.to(x.dtype), mode='bilinear', padding_mode='border', align_corners=False).round_()
-
-
+# Views, on the device and batched, from augment.py's ops (each equal to torchvision's on uint8 images; tested).
+# An image that did not draw an op gets its identity parameter or keeps its pixels by torch.where: no
+# boolean indexing, no host sync.
 def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
     """View `view` (0 or 1: its blur and solarize probabilities) of the images x_u8 (b, 3, H, W) uint8 ->
     (b, 3, size, size) normalised. Every draw is made for the global batch of B; this rank keeps rows
@@ -231,16 +166,16 @@ def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
     h = torch.where(any_fit, h.gather(1, first)[:, 0], float(H))
     top = (rand(dtype=torch.float64) * (H - h + 1)).floor()
     left = (rand(dtype=torch.float64) * (W - w + 1)).floor()
-    x = resized_crop_flip(x, top, left, h, w, size, rand() < AUG['p_flip'])
+    x = augment.resized_crop_rect_flip(x, top, left, h, w, size, rand() < AUG['p_flip'])
     # RandomApply(ColorJitter(0.4, 0.4, 0.2, 0.1), p=0.8): factors U(1-j, 1+j), hue offset U(-j, j)
     u = 2 * rand(4, dtype=torch.float64) - 1
     factors = torch.stack([(1.0 if i < 3 else 0.0) + j * u[:, i] for i, j in enumerate(AUG['jitter'])], 1)
     order = rand(4).argsort(1)
-    x = torch.where((rand() < AUG['p_jitter']).view(b, 1, 1, 1), color_jitter(x, factors, order), x)
+    x = torch.where((rand() < AUG['p_jitter']).view(b, 1, 1, 1), augment.color_jitter(x, factors, order), x)
     x = torch.where((rand() < AUG['p_gray']).view(b, 1, 1, 1), augment.grayscale(x).expand_as(x), x)
     # GaussianBlur, p 1.0 / 0.1, sigma U(0.1, 2.0) px at 224 px, scaled with the view (docstring)
     s0, s1 = (s * size / 224 for s in AUG['blur_sigma'])
-    blurred = gaussian_blur(x, s0 + (s1 - s0) * rand(), 2 * round(size / 20) + 1)
+    blurred = augment.gaussian_blur(x, s0 + (s1 - s0) * rand(), 2 * round(size / 20) + 1)
     x = torch.where((rand() < AUG['p_blur'][view]).view(b, 1, 1, 1), blurred, x)
     # Solarize at PIL's threshold 128, p 0 / 0.2; threshold 256: the identity
     x = augment.solarize(x, torch.where(rand() < AUG['p_solarize'][view], 128.0, 256.0))
@@ -260,11 +195,11 @@ def sincos_pos_embed(grid, dim, prefix):
 
 
 def build_backbone(args):
-    """The ViT without a head (forward gives the head's input: the feature), built by train_cifar.build_model,
-    so that it has the geometry of the model it fine-tunes (patch p/4 at 32 px)."""
+    """The ViT without a head (forward gives the head's input: the feature), built as train_cifar.py builds it
+    (models.build_model), so that it has the geometry of the model it fine-tunes (patch p/4 at 32 px)."""
     if args.model not in vit.configs:
         raise UserError(f"unknown ViT config {args.model!r}; valid names: {', '.join(vit.configs)}")
-    model = train_cifar.build_model(args.model, 0, train_cifar.parse_model_kw(args.model_kw), args.img_size)
+    model = build_model(args.model, 0, args.img_size, parse_model_kw(args.model_kw), cifar=True)
     dim = model.pos_embed.shape[-1]
     if args.pos_embed == 'sincos':
         if dim % 4:
@@ -307,7 +242,8 @@ def contrastive_loss(q, k, tau):
         keys = [torch.empty_like(k) for _ in range(dist.get_world_size())]
         dist.all_gather(keys, k.contiguous())
         k, rank = torch.cat(keys), dist.get_rank()  # (W*N, C)
-    logits = q @ k.T / tau  # (N, W*N)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 logits: in bf16, q.k / 0.2 resolves to ~0.01
+        logits = q @ k.T / tau  # (N, W*N)
     return F.cross_entropy(logits, torch.arange(len(q), device=q.device) + len(q) * rank) * (2 * tau)
 
 
@@ -342,15 +278,15 @@ def momentum_at(t, args):  # main_moco.py adjust_moco_momentum: moco_m at t = 0,
 
 
 # -----------------------------------------------------------------------------
-# Data. CIFAR: train_cifar.load_cifar, decoded once onto the device as uint8. imagenet: torchvision's
+# Data. CIFAR: data.load_cifar, decoded once onto the device as uint8. imagenet: torchvision's
 # ImageFolder + DataLoader, decoded to uint8 squares (train_imagenet.py's resize and crop).
 def load_data(args, device):
     if args.dataset != 'imagenet':
-        train_x, train_y = train_cifar.load_cifar(args.data, args.dataset, True, args.train_subset)
-        test_x, test_y = train_cifar.load_cifar(args.data, args.dataset, False, args.test_subset)
+        train_x, train_y = load_cifar(args.data, args.dataset, True, args.train_subset)
+        test_x, test_y = load_cifar(args.data, args.dataset, False, args.test_subset)
         return dict(train=train_x.to(device), train_eval=train_x.to(device), train_y=train_y.to(device),
-                    test=test_x.to(device), test_y=test_y.to(device), classes=train_cifar.NUM_CLASSES[args.dataset],
-                    norm=(train_cifar.MEAN[args.dataset], train_cifar.STD[args.dataset]))
+                    test=test_x.to(device), test_y=test_y.to(device), classes=NUM_CLASSES[args.dataset],
+                    norm=(MEAN[args.dataset], STD[args.dataset]))
     side, sets = round(args.img_size / 0.875), {}  # 256 for 224
     for split in ('train', 'val'):
         try:
@@ -467,88 +403,87 @@ def evaluate(backbone, data, args, autocast, rank, world, epoch, step, t_start):
 
 
 # -----------------------------------------------------------------------------
-def main(argv=None):
-    args, t_start = get_args(argv), time.time()
-    # --- setup: torchrun's environment, device, precision ------------------------------------------------
-    rank, world, local_rank = (int(os.environ.get(k, d)) for k, d in (('RANK', 0), ('WORLD_SIZE', 1),
-                                                                       ('LOCAL_RANK', 0)))
-    master, ddp, use_cuda = rank == 0, world > 1, torch.cuda.is_available()
-    device = torch.device('cuda', local_rank) if use_cuda else torch.device('cpu')
-    if use_cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if not args.eval_only and args.batch_size % world:
-        raise UserError(f'--batch-size {args.batch_size} (global) does not divide by the world size {world}')
-    B, b = args.batch_size, args.batch_size // world  # global, per rank
-    amp = args.amp if args.amp != 'auto' else ('bf16' if use_cuda else 'off')
-    autocast = torch.autocast(device.type, {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(amp), amp != 'off')
-    log = print if master else (lambda *a, **k: None)
-    # --- model (the same initial weights on every rank), run folder, weights -----------------------------
+def make_moco(args):
+    """MoCo around a fresh ViT (the same initial weights on every rank), then --resume's MoCo state, or
+    --checkpoint's weights (any format models.load_weights reads, any head) in the backbone. -> (moco, ckpt)"""
     torch.manual_seed(args.seed)
     moco = MoCo(build_backbone(args), args.proj_dim, args.proj_hidden, args.tau)
-    backbone = moco.base_encoder[0]  # the query encoder's ViT: what is evaluated and exported
-    ckpt = train_cifar.read_checkpoint(args.resume, '--resume') if args.resume else None
+    ckpt = read_checkpoint(args.resume, '--resume') if args.resume else None
     if ckpt:
         try:
             moco.load_state_dict(ckpt['moco'])
         except RuntimeError as e:
-            raise UserError(f'--resume {args.resume} does not fit: {train_cifar.one_line(e)}')
-    if args.checkpoint:  # train_cifar's loader (every format it reads, any head), then the backbone's part
-        full = train_cifar.build_model(args.model, 10, train_cifar.parse_model_kw(args.model_kw), args.img_size)
-        train_cifar.load_weights(full, args.checkpoint, finetune=True)
-        backbone.load_state_dict({k: v for k, v in full.state_dict().items() if not k.startswith('head.')})
-    out_dir = train_cifar.prepare_out(args) if master and not args.eval_only else Path(args.out)
+            raise UserError(f'--resume {args.resume} does not fit: {one_line(e)}')
+    if args.checkpoint:
+        full = build_model(args.model, 10, args.img_size, parse_model_kw(args.model_kw), cifar=True)
+        load_weights(full, args.checkpoint, finetune=True)
+        moco.base_encoder[0].load_state_dict({k: v for k, v in full.state_dict().items() if not k.startswith('head.')})
+    return moco, ckpt
+
+
+def save_run(out_dir, moco, backbone, opt, scaler, epoch, step, history, run_args, classes):
+    """last.pt: 'model' is the backbone under vit.py's (timm's) keys with vit.py's own zero head (for
+    train_cifar.py --pretrained); 'moco' the whole of MoCo, to resume. Then metrics.jsonl and args.json."""
+    head = {'head.weight': torch.zeros(classes, backbone.pos_embed.shape[-1]), 'head.bias': torch.zeros(classes)}
+    save_atomic(out_dir / 'last.pt', {
+        'model': {**backbone.state_dict(), **head}, 'moco': moco.state_dict(), 'history': history,
+        'optimizer': opt.state_dict(), 'scaler': scaler.state_dict(), 'epoch': epoch + 1, 'step': step,
+        'args': run_args})
+    save_atomic(out_dir / 'metrics.jsonl', history)
+    save_atomic(out_dir / 'args.json', run_args)
+
+
+def main(argv=None):
+    args, t_start = get_args(argv), time.time()
+    proc = setup(args.amp)  # rank, device (cuda:LOCAL_RANK when there is a GPU), autocast
+    rank, world, device, autocast, log, ddp = proc.rank, proc.world, proc.device, proc.autocast, proc.log, proc.ddp
+    if not args.eval_only and args.batch_size % world:
+        raise UserError(f'--batch-size {args.batch_size} (global) does not divide by the world size {world}')
+    B, b = args.batch_size, args.batch_size // world  # global, per rank
+    moco, ckpt = make_moco(args)
     moco.to(device)
-    if ddp:
-        dist.init_process_group('nccl' if use_cuda else 'gloo')
-    # --- data ---------------------------------------------------------------------------------------------
-    if ddp and not master:
-        dist.barrier()  # rank 0 reads (and, for CIFAR, may download) first
-    data = load_data(args, device)
-    if ddp and master:
-        dist.barrier()
+    backbone = moco.base_encoder[0]  # the query encoder's ViT: what is evaluated and exported
+    out_dir = prepare_out(args) if proc.master and not args.eval_only else Path(args.out)
+    init_group(proc)
+    with rank_zero_first(proc):  # rank 0 reads (and, for CIFAR, may download) first
+        data = load_data(args, device)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in data['norm'])
     if args.eval_only:
         rows = evaluate(backbone, data, args, autocast, rank, world, 0, 0, t_start)
         log(f'eval | {args.checkpoint or f"random init, seed {args.seed}"} | {args.model} on {args.dataset} | '
             + ' | '.join(f'{r["protocol"]} acc {r["top1"]:.2f}% ({r["correct"]}/{r["n"]}) loss {r["loss"]:.4f}'
-                         for r in rows) + f' | world {world}', flush=True)
-        train_cifar.leave(ddp)
-        return
-    n_train = len(data['train_y'])
-    steps = n_train // B  # the last partial batch is dropped; the order changes every epoch
-    if steps == 0:
+                         for r in rows) + f' | world {world}')
+        return leave(ddp)
+    if (steps := (n_train := len(data['train_y'])) // B) == 0:  # the last partial batch is dropped
         raise UserError(f'the training set has {n_train} images, fewer than --batch-size {B}')
     # --- optimizer, loss scaling, DDP, resume ---------------------------------------------------------------
     params = [p for p in moco.parameters() if p.requires_grad]  # f_q and the predictor; not f_k, not frozen ones
     opt = SAM(params, torch.optim.AdamW, rho=args.rho, adaptive=args.adaptive, lr=args.lr, weight_decay=args.wd) \
         if args.sam else torch.optim.AdamW(params, lr=args.lr, weight_decay=args.wd)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp == 'fp16')  # bf16 and fp32 need no scaling
-    model = nn.parallel.DistributedDataParallel(moco, device_ids=[local_rank] if use_cuda else None) if ddp else moco
-    start_epoch, step, history = 0, 0, []
-    if ckpt:  # the same resume as train_cifar.py
-        start_epoch, step, history = train_cifar.restore(ckpt, opt, scaler, args, NOT_INHERITED, log)
+    scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # bf16 and fp32 need no scaling
+    model = wrap_ddp(moco, proc)
+    start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log) if ckpt else (0, 0, [])
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in backbone.parameters()):,} backbone params, '
         f'{sum(p.numel() for p in params):,} trained) MoCo v3 on {args.dataset}: {n_train:,} train / '
         f'{len(data["test_y"]):,} test | {args.epochs} epochs x {steps} steps of {B} ({world} x {b}) | AdamW lr '
         f'{args.lr:.3g} wd {args.wd} | tau {args.tau} m {args.moco_m} -> 1{f" | SAM rho {args.rho}" * args.sam} | '
-        f'amp {amp} | {device}', flush=True)
+        f'amp {proc.amp} | {device}')
     # --- training loop --------------------------------------------------------------------------------------
     gen = torch.Generator(device)
     last, epoch, saved = out_dir / 'last.pt', start_epoch, (args.resume, start_epoch)  # saved: the last good one
-    first_bad = torch.full((), train_cifar.NO_STEP, device=device)  # first non-finite loss, on the device: no sync
+    first_bad = torch.full((), NO_STEP, device=device)  # first non-finite loss, on the device: no sync
     t_loop = time.time()
     try:
         for epoch in range(start_epoch, args.epochs):
             # Every draw of this epoch comes from (seed, epoch): an exact resume at an epoch boundary. Data
             # order and views are the same on every rank (rank r takes its slice); dropout differs per rank.
-            torch.manual_seed(train_cifar.epoch_seed(args.seed, epoch, rank))
-            gen.manual_seed(train_cifar.epoch_seed(args.seed, epoch))
+            torch.manual_seed(epoch_seed(args.seed, epoch, rank))
+            gen.manual_seed(epoch_seed(args.seed, epoch))
             perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(gen.initial_seed()))
             batches = [perm[i * B + rank * b:i * B + (rank + 1) * b].tolist() for i in range(steps)]
-            loader = iter(torch.utils.data.DataLoader(data['train'], batch_sampler=batches, num_workers=args.workers,
-                                                      pin_memory=use_cuda)) if args.dataset == 'imagenet' else None
+            loader = None if args.dataset != 'imagenet' else iter(torch.utils.data.DataLoader(
+                data['train'], batch_sampler=batches, num_workers=args.workers, pin_memory=device.type == 'cuda'))
             perm, t_epoch, t_row, row_start = perm.to(device), time.time(), time.time(), 0
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sums: since the last row, this epoch
             moco.train()
@@ -589,50 +524,40 @@ def main(argv=None):
                     if ddp:
                         dist.all_reduce(sums)
                         sums /= world
-                        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
-                    train_cifar.check_finite(first_bad, steps, saved)  # the host sync, every row
+                    check_finite(first_bad, steps, saved, distributed=ddp)  # the host sync, every row
                     now = time.time()
                     history.append(dict(kind='train', epoch=epoch + 1, step=step, lr=lr,
                                         loss=sums[0].item() / (i + 1 - row_start),
                                         img_per_s=(i + 1 - row_start) * B / (now - t_row), elapsed_s=now - t_start))
-                    if master and i + 1 < steps:
-                        eta = (now - t_loop) / (step - start_epoch * steps) * (args.epochs * steps - step)
-                        print(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
-                              f'lr {lr:.2e} | {history[-1]["img_per_s"]:,.0f} img/s | eta {train_cifar.fmt_time(eta)}',
-                              flush=True)
-                        train_cifar.save_atomic(out_dir / 'metrics.jsonl', history)
+                    if proc.master and i + 1 < steps:
+                        log(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
+                            f'lr {lr:.2e} | {history[-1]["img_per_s"]:,.0f} img/s | '
+                            f'eta {eta(t_loop, step - start_epoch * steps, args.epochs * steps - step)}')
+                        save_atomic(out_dir / 'metrics.jsonl', history)
                     sums[0], t_row, row_start = 0, now, i + 1
             # --- end of epoch: exact evaluation on frozen features, checkpoint -------------------------------
             due = epoch + 1 == args.epochs or (args.eval_every and (epoch + 1) % args.eval_every == 0)
             evals = evaluate(backbone, data, args, autocast, rank, world, epoch + 1, step, t_start) if due else []
             history += evals
-            eta = (time.time() - t_loop) / (step - start_epoch * steps) * (args.epochs * steps - step)
             log(f'ep {epoch + 1}/{args.epochs} | train loss {sums[1].item() / steps:.4f} | '
-                + ''.join(f'{r["protocol"]} acc {r["top1"]:.2f}% | ' for r in evals)
-                + f'{time.time() - t_epoch:.1f} s | eta {train_cifar.fmt_time(eta)}', flush=True)
-            if master:  # 'model': the backbone under vit.py's (timm's) keys and vit.py's own zero head
-                head = {'head.weight': torch.zeros(data['classes'], backbone.pos_embed.shape[-1]),
-                        'head.bias': torch.zeros(data['classes'])}
-                train_cifar.save_atomic(last, {
-                    'model': {**backbone.state_dict(), **head}, 'moco': moco.state_dict(), 'history': history,
-                    'optimizer': opt.state_dict(), 'scaler': scaler.state_dict(), 'epoch': epoch + 1, 'step': step,
-                    'args': run_args})
-                train_cifar.save_atomic(out_dir / 'metrics.jsonl', history)
-                train_cifar.save_atomic(out_dir / 'args.json', run_args)
+                + ''.join(f'{r["protocol"]} acc {r["top1"]:.2f}% | ' for r in evals) + f'{time.time() - t_epoch:.1f} s'
+                f' | eta {eta(t_loop, step - start_epoch * steps, args.epochs * steps - step)}')
+            if proc.master:
+                save_run(out_dir, moco, backbone, opt, scaler, epoch, step, history, run_args, data['classes'])
             saved = (last, epoch + 1)
             if epoch + 1 == args.stop_after_epoch < args.epochs:
-                log(f'stopped after epoch {epoch + 1} (--stop-after-epoch); continue with --resume {last}', flush=True)
+                log(f'stopped after epoch {epoch + 1} (--stop-after-epoch); continue with --resume {last}')
                 break
     except KeyboardInterrupt:
-        log(f'train_contrastive.py: interrupted in epoch {epoch + 1}; {train_cifar.since_checkpoint(saved)}',
+        log(f'train_contrastive.py: interrupted in epoch {epoch + 1}; {since_checkpoint(saved)}',
             file=sys.stderr)
         sys.exit(130)
     if saved[1] == args.epochs:
         accs = {p: [r['top1'] for r in history if r['kind'] == 'eval' and r['protocol'] == p] for p in args.eval}
         log(f'done | {args.model} on {args.dataset} | epoch {args.epochs}/{args.epochs} | '
             + ' | '.join(f'{p} acc {a[-1]:.2f}% (best {max(a):.2f}%)' for p, a in accs.items() if a)
-            + f' | {train_cifar.fmt_time(time.time() - t_start)} wall | {last}', flush=True)
-    train_cifar.leave(ddp)  # (a barrier first: rank 0 may still be saving)
+            + f' | {fmt_time(time.time() - t_start)} wall | {last}')
+    leave(ddp)  # (a barrier first: rank 0 may still be saving)
 
 
 if __name__ == '__main__':

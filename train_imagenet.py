@@ -21,22 +21,19 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torchvision
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torchvision import datasets
 from torchvision.transforms import v2
 
-import convmixer
-import mixer
-import vit
+from data import LAYOUT, MEANS, ImageFolder, eval_transform, on_device
+from models import build_model, load_weights, parse_model_kw
 from sam import SAM, first_pass, second_pass
-# train_cifar's run-folder, checkpoint, evaluation and message helpers: one implementation for both scripts
-import train_cifar
-from train_cifar import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, fmt_time, leave, load_weights,
-                         one_line, parse_model_kw, prepare_out, read_checkpoint, save_atomic, score, since_checkpoint)
+from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
+                   one_line, prepare_out, read_checkpoint, save_atomic, score, setup, since_checkpoint, stored_args,
+                   wrap_ddp)
 
 
 # -----------------------------------------------------------------------------
@@ -154,19 +151,12 @@ def get_args(argv=None):
     if not args.data and not args.synthetic:
         raise UserError(f'give --data DIR ({LAYOUT}), or --synthetic')
     with torch.device('meta'):  # every impossible model shape now, before anything slow (no memory used)
-        build_model(args.model, 1000, args.img_size, parse_model_kw(args.model_kw))
+        build_model(args.model, 1000, args.img_size, parse_model_kw(args.model_kw))  # (models.py)
     return args
 
 
 # -----------------------------------------------------------------------------
 # Data: decoding, crop, flip and RandAugment per image in the loader workers; mixup/cutmix on the batch on the GPU.
-MEANS = {'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-         'jax': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}  # official JAX input pipeline: x / 127.5 - 1
-LAYOUT = ('expected ImageNet-1k in ImageFolder layout: DIR/train/<wnid>/*.JPEG and DIR/val/<wnid>/*.JPEG (the '
-          'validation images sorted into the same class folders, e.g. by the valprep.sh of the PyTorch ImageNet '
-          'example; the tars come from image-net.org)')
-
-
 def train_transform(args, mean, std):
     t = [v2.RandomResizedCrop(args.img_size, scale=(args.crop_min, 1.0), antialias=True), v2.RandomHorizontalFlip()]
     if args.randaug_n > 0:  # torchvision's 31 bins; filled with the mean pixel, as timm. Deviations from timm's
@@ -177,41 +167,6 @@ def train_transform(args, mean, std):
     if args.reprob > 0:  # on the normalised image, with N(0, 1) noise: timm's 'pixel' mode
         t.append(v2.RandomErasing(p=args.reprob, value='random'))
     return v2.Compose(t)
-
-
-def eval_transform(img_size, crop_pct=0.875, interp='bilinear', norm='jax'):
-    """Resize the shorter side to img_size / crop_pct, centre-crop img_size, normalise."""
-    mode = {'bilinear': v2.InterpolationMode.BILINEAR, 'bicubic': v2.InterpolationMode.BICUBIC}[interp]
-    return v2.Compose([v2.Resize(int(img_size / crop_pct), mode, antialias=True), v2.CenterCrop(img_size),
-                       v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(*MEANS[norm])])
-
-
-class ImageFolder(datasets.ImageFolder):
-    """torchvision's, but an image PIL cannot decode comes back blank with label -1 - index: an exception in a
-    loader worker reaches the main process inside the worker's traceback, so on_device() names the file."""
-
-    def __init__(self, root, split, transform, img_size):
-        try:
-            super().__init__(os.path.join(root, split), transform=transform)
-        except (FileNotFoundError, RuntimeError) as e:  # no such folder, no class folders, or an empty one
-            raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
-        self.img_size = img_size
-
-    def __getitem__(self, index):
-        try:
-            return super().__getitem__(index)
-        except (OSError, ValueError):  # PIL: cannot identify image file, image file is truncated, ...
-            return torch.zeros(3, self.img_size, self.img_size), -1 - index
-
-
-def on_device(loader, device, fmt):
-    """The loader's batches on the device; an image that could not be decoded (label < 0) is named while the labels
-    are still on the CPU (no host sync)."""
-    for x, y in loader:
-        if (y < 0).any():
-            raise UserError(f'cannot decode the image {loader.dataset.samples[-1 - int(y.min())][0]} (corrupt or '
-                            'truncated); replace or delete it')
-        yield x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):
@@ -236,36 +191,6 @@ def seed_epoch(seed, epoch, rank, start, worker_seeds):
     s = epoch_seed(seed, epoch, rank, start)
     torch.manual_seed(s)  # mixup, dropout (and the augmentation with --workers 0)
     worker_seeds.manual_seed(s)  # the loader workers' augmentation
-
-
-# -----------------------------------------------------------------------------
-# Models: the configs of the three model files, plus torchvision's ResNets (the SAM paper's baselines).
-RESNETS = {name: getattr(torchvision.models, name) for name in ('resnet50', 'resnet101', 'resnet152')}
-
-
-def build_model(name, num_classes, img_size, model_kw):
-    """ViT/Mixer get img_size (position embedding, token MLP); ConvMixer and ResNet take any size."""
-    names = [*vit.configs, *mixer.configs, *convmixer.configs, *RESNETS]
-    if name not in names:
-        raise UserError(f'unknown model {name!r}; valid names: {", ".join(names)}')
-    if given := [f'{k}={v}' for k, v in model_kw.items() if k in ('num_classes', 'img_size')]:
-        raise UserError(f'--model-kw {" ".join(given)}: the class count comes from --data, the size from --img-size')
-    try:
-        if name in RESNETS:
-            return RESNETS[name](num_classes=num_classes, **model_kw)
-        family = vit if name in vit.configs else mixer if name in mixer.configs else convmixer
-        size = {} if family is convmixer else dict(img_size=img_size)
-        return family.create(name, num_classes=num_classes, **size, **model_kw)
-    except (TypeError, ValueError) as e:  # an unknown key (TypeError names it), or a shape the model refuses
-        kw = ' '.join(f'{k}={v}' for k, v in model_kw.items())
-        raise UserError(f'--model {name} --img-size {img_size} --model-kw {kw}: {e}') from None
-
-
-def stored_args(path, flag):
-    """The flags of the run that wrote `path` if it is one of our last.pt files, else None."""
-    ckpt = None if path.endswith('.npz') else read_checkpoint(path, flag)
-    ours = isinstance(ckpt, dict) and {'model', 'optimizer', 'scaler', 'step', 'history', 'args'} <= ckpt.keys()
-    return ckpt['args'] if ours else None
 
 
 # -----------------------------------------------------------------------------
@@ -307,7 +232,8 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
 def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):
     """The LR of optimizer step `step` (0-based)."""
     if sched == 'onecycle':  # locuslab's, as train_cifar.py runs it (t in epochs)
-        return train_cifar.lr_at((step + 1) / steps_per_epoch, epochs, peak)
+        t = (step + 1) / steps_per_epoch  # in epochs; integer breakpoints, as train_cifar.py
+        return float(np.interp(t, [0, epochs * 2 // 5, epochs * 4 // 5, epochs], [0, peak, peak / 20, 0]))
     if step < warmup:  # linear (SAM paper), cosine (ViT fine-tuning): linear warmup, then decay to 0
         return peak * (step + 1) / warmup
     t = (step - warmup) / max(1, epochs * steps_per_epoch - warmup)  # 0 -> 1 over the decay
@@ -326,33 +252,10 @@ def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info
 
 
 # -----------------------------------------------------------------------------
-def main(argv=None):
-    # --- setup: arguments, processes, device, output folder --------------------------------------------
-    args, t_start = get_args(argv), time.time()
-    world, rank, local_rank = (int(os.environ.get(k, d)) for k, d in (('WORLD_SIZE', 1), ('RANK', 0),
-                                                                      ('LOCAL_RANK', 0)))
-    distributed, master = world > 1, rank == 0
-    log = functools.partial(print, flush=True) if master else (lambda *a, **k: None)
-    device = torch.device('cuda', local_rank) if torch.cuda.is_available() else torch.device('cpu')
-    if device.type == 'cuda':
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    bf16 = device.type == 'cuda' and torch.cuda.is_bf16_supported()
-    amp = args.amp if args.amp != 'auto' else 'bf16' if bf16 else 'off'
-    amp_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'off': None}[amp]
-    autocast = torch.autocast(device.type, amp_dtype, enabled=amp_dtype is not None)  # evaluation's
-    fmt = torch.channels_last if args.channels_last else torch.preserve_format
-    if not args.eval_only:
-        if args.batch_size % (world * args.accum_steps):
-            raise UserError(f'--batch-size {args.batch_size} (global) must divide by processes ({world}) x '
-                            f'--accum-steps ({args.accum_steps})')
-        args.out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else
-                                os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
-        prepare_out(args)
-    if distributed:
-        dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
-
-    # --- data ------------------------------------------------------------------------------------------
+# The sections of main() that are long: data, optimizer, resume.
+def make_data(args, proc):
+    """(val_loader, num_classes, train loader, its sampler, the workers' seed generator, mixup/cutmix or None);
+    the train parts are None with --eval-only. Rank r evaluates images r, r + W, ...: exact, no padding."""
     train_tf = train_transform(args, *MEANS[args.norm])
     val_tf = eval_transform(args.img_size, args.crop_pct, args.eval_interp, args.norm)
     if args.synthetic:  # random images of ImageNet's counts (torchvision's FakeData): throughput without data
@@ -365,20 +268,76 @@ def main(argv=None):
             raise UserError(f'--data {args.data}: the class folders of train ({len(train_set.classes)}) and val '
                             f'({len(val_set.classes)}) differ in number or names; {LAYOUT}')
     num_classes = 1000 if args.synthetic else len(val_set.classes)
-    loader_kw = dict(num_workers=args.workers, pin_memory=device.type == 'cuda')
+    loader_kw = dict(num_workers=args.workers, pin_memory=proc.device.type == 'cuda')
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.eval_batch_size,
-                                             sampler=range(rank, len(val_set), world), **loader_kw)  # exact: no padding
+                                             sampler=range(proc.rank, len(val_set), proc.world), **loader_kw)
+    if args.eval_only:
+        return val_loader, num_classes, None, None, None, None
+    per_step = args.batch_size // proc.world  # images per process per optimizer step
+    sampler = ResumableSampler(len(train_set), proc.world, proc.rank, args.seed, per_step)
+    if sampler.steps == 0:
+        raise UserError(f'--batch-size {args.batch_size} is larger than the training set ({len(train_set)} images)')
+    worker_seeds = torch.Generator()  # re-seeded each epoch: the workers' augmentation draws
+    train_loader = torch.utils.data.DataLoader(train_set, batch_size=per_step, sampler=sampler,
+                                               generator=worker_seeds, **loader_kw)
+    mix = [v2.MixUp(alpha=args.mixup, num_classes=num_classes)] if args.mixup > 0 else []
+    mix += [v2.CutMix(alpha=args.cutmix, num_classes=num_classes)] if args.cutmix > 0 else []
+    mix = v2.RandomChoice(mix) if mix else None  # on the batch: one of them, p 0.5 each (timm)
+    return val_loader, num_classes, train_loader, sampler, worker_seeds, mix
+
+
+def make_optimizer(args, model):
+    """AdamW or SGD, SAM-wrapped with --sam; weight decay only on matrices and conv kernels, as timm."""
+    groups = [dict(params=[], weight_decay=args.wd), dict(params=[], weight_decay=0.0)]
+    for name, p in model.named_parameters():
+        groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
+    base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
+        (torch.optim.SGD, dict(momentum=0.9))
+    return (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
+            else base(groups, lr=args.lr, **base_kw))
+
+
+def resume(args, model, optimizer, scaler, steps, log):
+    """--resume: weights, optimizer, GradScaler, step and history (the RNGs are re-seeded in the loop).
+    -> (step, history)"""
+    ckpt = read_checkpoint(args.resume, '--resume')
+    old = ckpt['args']
+    if ckpt['steps_per_epoch'] != steps or old['batch_size'] != args.batch_size:
+        raise UserError(f'--resume {args.resume}: that run has --batch-size {old["batch_size"]} and '
+                        f'{ckpt["steps_per_epoch"]} steps per epoch, this one {args.batch_size} and {steps}; a '
+                        'resumed run keeps its global batch and training set')
+    try:
+        model.load_state_dict(ckpt['model'])
+        optimizer.load_state_dict(ckpt['optimizer'])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UserError(f'--resume {args.resume} does not fit this run: {one_line(e)}') from None
+    if ckpt['scaler']:  # {} when the run had no enabled GradScaler (not fp16)
+        scaler.load_state_dict(ckpt['scaler'])
+    step = ckpt['step']
+    changed = [f'--{k.replace("_", "-")} {old.get(k)} -> {getattr(args, k)}' for k in RUN_KEYS
+               if old.get(k) != getattr(args, k)]  # only flags given on this command line can differ
+    log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
+        f'epoch); changed: {", ".join(changed) or "nothing"}')
+    return step, ckpt['history']
+
+
+# -----------------------------------------------------------------------------
+def main(argv=None):
+    # --- setup: arguments, processes, device, output folder --------------------------------------------
+    args, t_start = get_args(argv), time.time()
+    proc = setup(args.amp)  # rank, device (cuda:LOCAL_RANK when there is a GPU), autocast
+    world, rank, distributed, master, device, log = proc.world, proc.rank, proc.ddp, proc.master, proc.device, proc.log
+    amp_dtype = proc.amp_dtype
+    fmt = torch.channels_last if args.channels_last else torch.preserve_format
     if not args.eval_only:
-        per_step, k = args.batch_size // world, args.accum_steps  # images per process per optimizer step
-        sampler = ResumableSampler(len(train_set), world, rank, args.seed, per_step)
-        if (steps := sampler.steps) == 0:
-            raise UserError(f'--batch-size {args.batch_size} is larger than the training set ({len(train_set)} images)')
-        worker_seeds = torch.Generator()  # re-seeded each epoch: the workers' augmentation draws
-        train_loader = torch.utils.data.DataLoader(train_set, batch_size=per_step, sampler=sampler,
-                                                   generator=worker_seeds, **loader_kw)
-        mix = [v2.MixUp(alpha=args.mixup, num_classes=num_classes)] if args.mixup > 0 else []
-        mix += [v2.CutMix(alpha=args.cutmix, num_classes=num_classes)] if args.cutmix > 0 else []
-        mix = v2.RandomChoice(mix) if mix else None  # on the batch: one of them, p 0.5 each (timm)
+        if args.batch_size % (world * args.accum_steps):
+            raise UserError(f'--batch-size {args.batch_size} (global) must divide by processes ({world}) x '
+                            f'--accum-steps ({args.accum_steps})')
+        args.out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else
+                                os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
+        prepare_out(args)
+    init_group(proc)
+    val_loader, num_classes, train_loader, sampler, worker_seeds, mix = make_data(args, proc)
 
     # --- model: trained through DDP; evaluated bare (no collectives: ranks may run unequal eval batches) --------
     torch.manual_seed(args.seed)  # the same initial weights on every rank and world size
@@ -388,48 +347,21 @@ def main(argv=None):
     model.to(device, memory_format=fmt)
     eval_model = torch.compile(model) if args.compile else model
     log(f'{args.model}: {sum(p.numel() for p in model.parameters()):,} parameters, {num_classes} classes, '
-        f'{args.img_size} px, norm {args.norm}, {world} process(es) on {device.type}, amp {amp}')
+        f'{args.img_size} px, norm {args.norm}, {world} process(es) on {device.type}, amp {proc.amp}')
     if args.eval_only:
-        res = score(eval_model, on_device(val_loader, device, fmt), autocast, distributed)
+        res = score(eval_model, on_device(val_loader, device, fmt), proc.autocast, distributed)
         log(f'eval {args.checkpoint} | test loss {res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% '
             f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
         leave(distributed)
         return res
-    train_model = DDP(model, device_ids=[local_rank] if device.type == 'cuda' else None) if distributed else model
+    train_model = wrap_ddp(model, proc)
     train_model = torch.compile(train_model) if args.compile else train_model  # DDP overlaps buckets with backward
-
-    # --- optimizer: AdamW or SGD (SAM-wrapped with --sam); decay only matrices and conv kernels, as timm --------
-    groups = [dict(params=[], weight_decay=args.wd), dict(params=[], weight_decay=0.0)]
-    for name, p in model.named_parameters():
-        groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
-    base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
-        (torch.optim.SGD, dict(momentum=0.9))
-    optimizer = (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
-                 else base(groups, lr=args.lr, **base_kw))
-    scaler = torch.amp.GradScaler(device.type, enabled=amp == 'fp16')
-
-    # --- resume: weights, optimizer, GradScaler, step and history; the RNGs are re-seeded in the loop -------
-    step, history, saved, last = 0, [], (None, 0), os.path.join(args.out, 'last.pt')  # saved: the last checkpoint
-    if args.resume:
-        ckpt = read_checkpoint(args.resume, '--resume')
-        old = ckpt['args']
-        if ckpt['steps_per_epoch'] != steps or old['batch_size'] != args.batch_size:
-            raise UserError(f'--resume {args.resume}: that run has --batch-size {old["batch_size"]} and '
-                            f'{ckpt["steps_per_epoch"]} steps per epoch, this one {args.batch_size} and {steps}; a '
-                            'resumed run keeps its global batch and training set')
-        try:
-            model.load_state_dict(ckpt['model'])
-            optimizer.load_state_dict(ckpt['optimizer'])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise UserError(f'--resume {args.resume} does not fit this run: {one_line(e)}') from None
-        if ckpt['scaler']:  # {} when the run had no enabled GradScaler (not fp16)
-            scaler.load_state_dict(ckpt['scaler'])
-        step, history, saved = ckpt['step'], ckpt['history'], (args.resume, ckpt['step'])
-        changed = [f'--{k.replace("_", "-")} {old.get(k)} -> {getattr(args, k)}' for k in RUN_KEYS
-                   if old.get(k) != getattr(args, k)]  # only flags given on this command line can differ
-        log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
-            f'epoch); changed: {", ".join(changed) or "nothing"}')
-        del ckpt
+    optimizer = make_optimizer(args, model)
+    scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
+    steps, k, per_step = sampler.steps, args.accum_steps, args.batch_size // world
+    step, history = resume(args, model, optimizer, scaler, steps, log) if args.resume else (0, [])
+    last = os.path.join(args.out, 'last.pt')
+    saved = (args.resume, step) if args.resume else (None, 0)  # the last checkpoint
     info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps,
                 total_steps=args.epochs * steps)
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
@@ -468,7 +400,7 @@ def main(argv=None):
                     if step % steps:  # (at the epoch's end the epoch line and save_run follow)
                         log(f'ep {epoch + 1}/{args.epochs} step {step - epoch * steps}/{steps} | loss '
                             f'{row["loss"]:.4f} | lr {lr:.2e} | {row["img_per_s"]:,.0f} img/s | eta '
-                            f'{fmt_time((time.time() - t_loop) / (step - step0) * (total - step))}')
+                            f'{eta(t_loop, step - step0, total - step)}')
                         if master:
                             save_atomic(Path(args.out, 'metrics.jsonl'), history)
                     window, n_window, t_window = torch.zeros((), device=device), 0, time.time()
@@ -482,7 +414,7 @@ def main(argv=None):
             if distributed:  # BatchNorm statistics: evaluate rank 0's, the ones the checkpoint holds
                 for b in model.buffers():
                     dist.broadcast(b, 0)
-            res = score(eval_model, on_device(val_loader, device, fmt), autocast, distributed)
+            res = score(eval_model, on_device(val_loader, device, fmt), proc.autocast, distributed)
             if not math.isfinite(res['loss']):
                 raise UserError(f'training diverged: the weights after epoch {epoch + 1} (step {step}) give a '
                                 f'non-finite test loss; {since_checkpoint(saved, "step")}')
@@ -493,7 +425,7 @@ def main(argv=None):
             saved = (last, step)
             log(f'ep {epoch + 1}/{args.epochs} | train loss {epoch_loss / (steps - start):.4f} | test loss '
                 f'{res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% | {time.time() - t_epoch:.1f} s | '
-                f'eta {fmt_time((time.time() - t_loop) / (step - step0) * (total - step))}')
+                f'eta {eta(t_loop, step - step0, total - step)}')
     except KeyboardInterrupt:
         log(f'train_imagenet.py: interrupted in epoch {step // steps + 1}; {since_checkpoint(saved, "step")}',
             file=sys.stderr)

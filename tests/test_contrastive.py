@@ -16,7 +16,9 @@ import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
 
-import train_cifar
+import data
+import models
+import utils
 import train_contrastive as tc
 from conftest import REPO
 
@@ -184,14 +186,14 @@ def test_learns_and_exports(cifar10_dir, tmp_path):
     # train_cifar's fine-tuning loader (a head of other classes replaced)
     path = tmp_path / 'plain' / 'last.pt'
     ckpt = torch.load(path, weights_only=True)
-    kw = train_cifar.parse_model_kw(ckpt['args']['model_kw'])
-    model = train_cifar.build_model('vit_ti16', 10, kw)
+    kw = models.parse_model_kw(ckpt['args']['model_kw'])
+    model = models.build_model('vit_ti16', 10, 32, kw, cifar=True)
     model.load_state_dict(ckpt['model'])
     for key, value in model.state_dict().items():
         assert torch.equal(value, ckpt['moco']['base_encoder.0.' + key] if not key.startswith('head.')
                            else torch.zeros_like(value)), key
-    model100 = train_cifar.build_model('vit_ti16', 100, kw)
-    train_cifar.load_weights(model100, path, finetune=True)
+    model100 = models.build_model('vit_ti16', 100, 32, kw, cifar=True)
+    models.load_weights(model100, path, finetune=True)
     assert torch.equal(model100.blocks[1].mlp.fc2.weight, model.blocks[1].mlp.fc2.weight)
 
 
@@ -200,7 +202,7 @@ def test_learns_and_exports(cifar10_dir, tmp_path):
 # against its float path, rounded), and the view pipeline applies each op with its probability.
 @pytest.fixture(scope='module')
 def images(cifar10_dir):
-    return train_cifar.load_cifar(cifar10_dir, 'cifar10', False, 200)[0]  # (200, 3, 32, 32) uint8
+    return data.load_cifar(cifar10_dir, 'cifar10', False, 200)[0]  # (200, 3, 32, 32) uint8
 
 
 def per_image(fn, images, values):
@@ -293,7 +295,7 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch):
     for proxy in ('http_proxy', 'https_proxy', 'HTTP_PROXY', 'HTTPS_PROXY'):  # offline: no CIFAR download
         monkeypatch.setenv(proxy, 'http://127.0.0.1:9')
     argv = ['--data', tmp_path / 'empty', '--out', tmp_path / 'out', '--epochs', 50, *TINY, *args]
-    with pytest.raises(train_cifar.UserError) as e:  # the one user-error class of every script
+    with pytest.raises(utils.UserError) as e:  # the one user-error class of every script
         tc.main([str(a) for a in argv])
     assert expect in str(e.value), str(e.value)
     assert (tmp_path / 'run' / 'metrics.jsonl').read_text() == '{}\n'

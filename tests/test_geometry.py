@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import convmixer
 import geometry as G
 import mixer
-import train_cifar
+import models
 import vit
 from torchvision.models.resnet import BasicBlock
 
@@ -270,7 +270,7 @@ def test_active_neurons_exact_fraction():
 def test_active_neurons_resnet_stage_outputs():
     """resnet20 with every conv zero and every BN bias zero but the last one of stage 1 (+1 on 4 of 16 channels):
     stage 1 ends with 4 of 16 channels positive, and the option-A shortcuts carry them on: 4 of 32, 4 of 64."""
-    model = train_cifar.build_model('resnet20', 5)
+    model = models.build_model('resnet20', 5, 32, cifar=True)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.Conv2d):

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 import robustness as rb
-import train_cifar
+import data
+import models
 from conftest import REPO
 
 imagecorruptions = pytest.importorskip('imagecorruptions')
@@ -41,10 +42,10 @@ def trained(cifar10_dir, tmp_path_factory):
     """A tiny ConvMixer trained 3 epochs on 2,000 CIFAR-10 images (~30% on the test set), saved
     as a train_cifar.py checkpoint; and 200 class-balanced test images."""
     torch.set_num_threads(1)
-    x, y = train_cifar.load_cifar(cifar10_dir, 'cifar10', train=True, subset=2000)
-    xt, yt = train_cifar.load_cifar(cifar10_dir, 'cifar10', train=False, subset=200)
+    x, y = data.load_cifar(cifar10_dir, 'cifar10', train=True, subset=2000)
+    xt, yt = data.load_cifar(cifar10_dir, 'cifar10', train=False, subset=200)
     torch.manual_seed(0)
-    model = train_cifar.build_model('convmixer_256_8', 10, KW)
+    model = models.build_model('convmixer_256_8', 10, 32, KW, cifar=True)
     opt = torch.optim.AdamW(model.parameters(), 1e-2)
     for _ in range(3):
         perm = torch.randperm(len(y))
@@ -165,7 +166,7 @@ def test_imagenet_c_folder_counts_labels_and_mce(tmp_path):
     assert all(label == WNIDS.index(os.path.basename(os.path.dirname(p))) for p, label in samples)
     groups = {(c, s): rb.imagenet_c_samples(str(root), c, s, class_to_idx) for c in ALEXNET for s in range(1, 6)}
     groups['clean'] = [(str(clean / w / f'{j}.JPEG'), k) for k, w in enumerate(WNIDS) for j in range(2)]
-    transform = rb.eval_transform(dict(img_size=16, crop_pct=0.875, eval_interp='bilinear', norm='jax'))
+    transform = rb.uint8_transform(dict(img_size=16, crop_pct=0.875, eval_interp='bilinear', norm='jax'))
     zero, one = torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)
     counts = {}
     for key, g in groups.items():  # as two ranks would: images 0, 2, 4, ... and 1, 3, 5, ...
@@ -211,7 +212,7 @@ def test_imagenet_r_masking(tmp_path):
     # through the folder path: the ImageNet-R group is masked, the clean group is not
     paint(tmp_path / 'a.jpg', 0)
     img = str(tmp_path / 'a.jpg')
-    transform = rb.eval_transform(dict(img_size=4, crop_pct=1.0, eval_interp='bilinear', norm='jax'))
+    transform = rb.uint8_transform(dict(img_size=4, crop_pct=1.0, eval_interp='bilinear', norm='jax'))
     batches = lambda: rb.folder_batches([(img, oracle[5])], transform, 1, 0, 0, 1)  # noqa: E731
     assert rb.count(model, batches(), zero, one, mask=mask).tolist() == [1, 1]
     assert rb.count(model, batches(), zero, one).tolist() == [0, 1]
@@ -307,7 +308,7 @@ def test_fgsm_in_script_equals_torchattacks(trained, cifar10_dir, tmp_path):
     r = rb.main(['--attack', 'fgsm', '--eps', 4, '--data', cifar10_dir, '--subset', 200, '--checkpoint', ckpt,
                  '--eval-batch-size', 64, '--out', tmp_path])
     mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
-    wrapped = nn.Sequential(train_cifar.build_model('convmixer_256_8', 10, KW), nn.Identity())
+    wrapped = nn.Sequential(models.build_model('convmixer_256_8', 10, 32, KW, cifar=True), nn.Identity())
     wrapped[0].load_state_dict(model.state_dict())
     oracle = nn.Sequential(type('Norm', (nn.Module,), {'forward': lambda self, v: (v - mean) / std})(), wrapped).eval()
     x_adv = torchattacks.FGSM(oracle, eps=4 / 255)(xt.float() / 255, yt)

@@ -28,8 +28,12 @@ import torch.nn.functional as F
 import torchvision
 from PIL import Image
 
+import convmixer
+import data
+import models
 import pgd
 import train_cifar as tc
+import vit
 from conftest import PER_CLASS, REPO
 
 SCRIPT = str(REPO / 'train_cifar.py')
@@ -46,6 +50,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def build(name, num_classes, model_kw=None, img_size=32):
+    """A model as train_cifar.py builds it (models.build_model with its CIFAR adaptation at 32 px)."""
+    return models.build_model(name, num_classes, img_size, model_kw, cifar=True)
 
 
 def env(**extra):
@@ -154,7 +163,7 @@ def simulate_sam_epoch(learned, data, epoch, steps, batch, lr_peak, epochs, rho=
     with the mean of the two g_SAM; BatchNorm statistics from rank 0's first pass only."""
     ckpt = torch.load(learned / 'last.pt', weights_only=True)
     torch.manual_seed(0)
-    model = tc.build_model('convmixer_256_8', 10, tc.parse_model_kw(SMALL[1:]))
+    model = build('convmixer_256_8', 10, tc.parse_model_kw(SMALL[1:]))
     model.load_state_dict(ckpt['model'])
     opt = torch.optim.AdamW(model.parameters(), lr=lr_peak, weight_decay=wd)
     opt.load_state_dict(ckpt['optimizer'])
@@ -214,7 +223,7 @@ def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
     # the training --batch-size 512 does not divide by 3 and is not checked), and one process's here
     ev = rows(out_dir, 'eval')[-1]
     assert ev['n'] == 1001 and ev['top1'] > 30  # a trained model: the counts are not those of a constant
-    model = tc.build_model('convmixer_256_8', 10, tc.parse_model_kw(SMALL[1:]))
+    model = build('convmixer_256_8', 10, tc.parse_model_kw(SMALL[1:]))
     tc.load_weights(model, out_dir / 'last.pt')
     x, y = tc.load_cifar(cifar10_dir, 'cifar10', False, 1001)
     mean, std = (torch.tensor(v['cifar10']).view(1, 3, 1, 1) for v in (tc.MEAN, tc.STD))
@@ -260,7 +269,7 @@ def test_interrupted_killed_and_resumed_is_bit_identical(cifar10_dir, tmp_path):
     pk.kill()
     pk.wait(timeout=60)
     os.close(fifo)
-    assert len(partial) == 4096 and (b / 'last.pt').read_bytes() == before
+    assert len(partial) == 4096 and (b / "last.pt").read_bytes() == before, pk.communicate()
     (b / 'last.pt.tmp').unlink()
     (b / 'last.pt.tmp').write_bytes(partial)  # what a real kill leaves on disk: the start of the file
     resumed = check(run('--resume', b / 'last.pt'))
@@ -423,7 +432,7 @@ def test_bad_input(case, fork_server, tiny_run, cifar10_dir, tmp_path):
     (tmp_path / 'corrupt.pt').write_bytes(b'not a checkpoint' * 10)
     torch.save({'state_dict': {'head.weight': torch.zeros(3, 3)}}, tmp_path / 'weights.pt')
     bad_npz(tmp_path / 'bad.npz')
-    torch.save(tc.build_model('mixer_s16', 10, {'patch_size': 4, 'dim': 32, 'depth': 1}).state_dict(),
+    torch.save(build('mixer_s16', 10, {'patch_size': 4, 'dim': 32, 'depth': 1}).state_dict(),
                tmp_path / 'mixer.pt')
     if case in ('test-classes-differ', 'empty-class-folder', 'corrupt-image', 'truncated-image'):
         fill['data'], fill['jpg'] = image_folder(cifar10_dir, tmp_path / 'data', case)
@@ -507,18 +516,18 @@ def test_image_folder_layout_decodes_exactly(cifar10_dir):
 
 def test_balanced_subset():
     labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
-    assert tc.balanced_subset(labels, 5, 3).tolist() == [0, 1, 2, 3, 4]  # 2, 2, 1 of classes 0, 1, 2
-    assert tc.balanced_subset(labels, 9, 3).tolist() == list(range(9))
+    assert data.balanced_subset(labels, 5, 3).tolist() == [0, 1, 2, 3, 4]  # 2, 2, 1 of classes 0, 1, 2
+    assert data.balanced_subset(labels, 9, 3).tolist() == list(range(9))
     with pytest.raises(tc.UserError):
-        tc.balanced_subset(labels, 12, 3)  # class 1 has only 3 images
+        data.balanced_subset(labels, 12, 3)  # class 1 has only 3 images
 
 
 # -----------------------------------------------------------------------------
 # 6. Models and weights.
-@pytest.mark.parametrize('name', [n for m in tc.MODEL_FILES for n in m.configs] + ['resnet18'])
+@pytest.mark.parametrize('name', [n for m in models.MODEL_FILES for n in m.configs] + ['resnet18'])
 def test_every_model_builds_for_cifar(name):
     if name == 'resnet18':
-        model = tc.build_model(name, 100)
+        model = build(name, 100)
         assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
         feats = []
         model.layer4.register_forward_hook(lambda m, i, o: feats.append(o.shape))
@@ -526,14 +535,14 @@ def test_every_model_builds_for_cifar(name):
         assert feats[0] == (2, 512, 4, 4)  # 32 / 8: no stride-2 stem, no max-pool
         return
     with torch.device('meta'):  # shapes only: no memory, no init cost for ViT-L
-        model = tc.build_model(name, 100)
+        model = build(name, 100)
         assert model(torch.empty(2, 3, 32, 32)).shape == (2, 100)
-    module = next(m for m in tc.MODEL_FILES if name in m.configs)
+    module = next(m for m in models.MODEL_FILES if name in m.configs)
     p = module.configs[name]['patch_size']
-    if module is tc.convmixer:
+    if module is convmixer:
         assert model.stem[0].stride[0] == (p // 7 if p >= 7 else p)
     elif module.configs[name].get('img_size') != 32:
-        proj = model.patch_embed.proj if module is tc.vit else model.stem.proj
+        proj = model.patch_embed.proj if module is vit else model.stem.proj
         assert proj.stride[0] == p // 4
 
 
@@ -544,7 +553,7 @@ def test_resnet20_is_he_et_al_cifar_resnet():
     bn = lambda c: 2 * c
     blocks = lambda c_in, c, n=3: (conv(c_in, c) + conv(c, c) + 2 * bn(c)) + (n - 1) * (2 * conv(c, c) + 2 * bn(c))
     expect = conv(3, 16) + bn(16) + blocks(16, 16) + blocks(16, 32) + blocks(32, 64) + 64 * 10 + 10
-    model = tc.build_model('resnet20', 10)
+    model = build('resnet20', 10)
     assert sum(p.numel() for p in model.parameters()) == expect == 269_722  # "0.27M"
     assert sum(isinstance(m, nn.Conv2d) for m in model.modules()) + 1 == 20  # 19 convs + the linear layer
     shapes = []
@@ -562,7 +571,7 @@ def test_resnet20_stem_stride_2_subsamples_the_stem_of_the_same_weights():
     """--model-kw stem_stride=2 (geometry.py table1): the same parameters as resnet20, and the stem's output is
     the stride-1 stem's at every other pixel (a 3x3 conv with padding 1: output (i, j) reads input (2i, 2j))."""
     torch.manual_seed(0)
-    one, two = tc.build_model('resnet20', 10), tc.build_model('resnet20', 10, {'stem_stride': 2})
+    one, two = build('resnet20', 10), build('resnet20', 10, {'stem_stride': 2})
     two.load_state_dict(one.state_dict())  # strict: the same keys and shapes
     x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(two[0](x), one[0](x)[:, :, ::2, ::2], rtol=0, atol=1e-6)
@@ -570,7 +579,7 @@ def test_resnet20_stem_stride_2_subsamples_the_stem_of_the_same_weights():
     assert features == [8, 4]
     for kw in ({'stem_stride': 3}, {'width': 2}):
         with pytest.raises(tc.UserError, match='resnet20 only stem_stride=1 or 2'):
-            tc.build_model('resnet20', 10, kw)
+            build('resnet20', 10, kw)
 
 
 def test_load_weights_reads_a_locuslab_file(tmp_path):
@@ -593,7 +602,7 @@ def test_load_weights_reads_a_locuslab_file(tmp_path):
         for t in theirs.state_dict().values():
             t.copy_(torch.rand_like(t.float()) + 0.5) if t.is_floating_point() else None
     torch.save({'state_dict': {'module.' + k: v for k, v in theirs.state_dict().items()}}, tmp_path / 'cm.pth.tar')
-    ours = tc.build_model('convmixer_256_8', 10, {'dim': dim, 'depth': depth, 'kernel_size': k, 'patch_size': p})
+    ours = build('convmixer_256_8', 10, {'dim': dim, 'depth': depth, 'kernel_size': k, 'patch_size': p})
     tc.load_weights(ours, tmp_path / 'cm.pth.tar')
     x = torch.randn(2, 3, 32, 32)
     assert torch.allclose(ours.eval()(x), theirs(x), atol=1e-5)
@@ -608,7 +617,7 @@ def pretrained_vit(path, num_classes=5):
     """A 'pretrained' ViT at 32 px (8x8 grid) with random non-zero weights, saved as a bare state_dict with
     DDP's prefix, as timm or another trainer would leave it."""
     torch.manual_seed(1)
-    model = tc.build_model('vit_ti16', num_classes, tc.parse_model_kw(VIT[3:]))
+    model = build('vit_ti16', num_classes, tc.parse_model_kw(VIT[3:]))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()
@@ -621,7 +630,7 @@ def test_finetune_loads_resampled_pos_embed_and_a_new_head(tmp_path):
     it (the oracle), the head replaced by zeros (ViT paper Sec. 3.2), every other tensor as saved."""
     from timm.layers import resample_abs_pos_embed
     theirs = pretrained_vit(tmp_path / 'vit.pt')
-    model = tc.build_model('vit_ti16', 10, tc.parse_model_kw(VIT[3:]), img_size=48)
+    model = build('vit_ti16', 10, tc.parse_model_kw(VIT[3:]), img_size=48)
     with pytest.raises(tc.UserError, match='does not fit'):  # without finetune: strict, as for --checkpoint
         tc.load_weights(model, tmp_path / 'vit.pt')
     tc.load_weights(model, tmp_path / 'vit.pt', finetune=True)
@@ -633,13 +642,13 @@ def test_finetune_loads_resampled_pos_embed_and_a_new_head(tmp_path):
     for k, v in theirs.items():
         if k not in ('pos_embed', 'head.weight', 'head.bias'):
             assert torch.equal(ours[k], v), k
-    same = tc.build_model('vit_ti16', 5, tc.parse_model_kw(VIT[3:]))  # same classes, same grid: all kept
+    same = build('vit_ti16', 5, tc.parse_model_kw(VIT[3:]))  # same classes, same grid: all kept
     tc.load_weights(same, tmp_path / 'vit.pt', finetune=True)
     assert all(torch.equal(same.state_dict()[k], v) for k, v in theirs.items())
     tc.load_weights(same, tmp_path / 'vit.pt', finetune=True, new_head=True)  # --classes: other labels, same count
     assert not same.head.weight.any() and same.blocks[0].attn.qkv.weight.equal(theirs['blocks.0.attn.qkv.weight'])
-    torch.save(tc.build_model('mixer_s16', 5, {'patch_size': 4, 'dim': 32, 'depth': 1}).state_dict(), tmp_path / 'm.pt')
-    mixer = tc.build_model('mixer_s16', 10, {'patch_size': 4, 'dim': 32, 'depth': 1}, img_size=48)
+    torch.save(build('mixer_s16', 5, {'patch_size': 4, 'dim': 32, 'depth': 1}).state_dict(), tmp_path / 'm.pt')
+    mixer = build('mixer_s16', 10, {'patch_size': 4, 'dim': 32, 'depth': 1}, img_size=48)
     with pytest.raises(tc.UserError, match='Mixer of 64 tokens, this one has 144'):
         tc.load_weights(mixer, tmp_path / 'm.pt', finetune=True)
 
@@ -680,7 +689,7 @@ def test_adversarial_training_is_more_robust(cifar10_dir, tmp_path):
     robust = {}
     for name, adv in (('plain', []), ('adv', ['--adv', 'pgd', '--adv-steps', 3, '--adv-alpha', 3])):
         tc.main([str(a) for a in [*common, *adv, '--out', tmp_path / name]])
-        model = tc.build_model('convmixer_256_8', 10, tc.parse_model_kw(common[-4:]))
+        model = build('convmixer_256_8', 10, tc.parse_model_kw(common[-4:]))
         tc.load_weights(model, tmp_path / name / 'last.pt')
         torch.manual_seed(0)
         x_adv = pgd.pgd(model.eval(), x.float() / 255, y, 8 / 255, 2 / 255, 10, normalize=lambda v: (v - mean) / std)
@@ -709,7 +718,7 @@ def test_adv_sam_attacks_once_at_w_and_both_passes_see_that_batch(cifar10_dir, t
     the first and second SAM passes both see exactly the normalised x_adv it returned."""
     events = []  # ('pgd', weights, normalised x_adv) and ('train', weights, input) in call order
     weights = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()]).clone()
-    real_pgd, real_build = tc.pgd, tc.build_model
+    real_pgd, real_build = tc.pgd, tc.build_model  # (models.build_model)
     mean, std = (torch.tensor(v['cifar10']).view(1, 3, 1, 1) for v in (tc.MEAN, tc.STD))
 
     def spy_pgd(model, x, y, *a, **kw):

@@ -1,0 +1,181 @@
+"""The data sets every script reads, and their statistics.
+
+CIFAR-10/100: decoded once into uint8 tensors (N, 3, 32, 32), from torchvision's CIFAR folder or an image folder
+DIR/{train,test}/<class>/*, with class-balanced subsets; evaluated from the device, exactly under DDP.
+ImageNet-style folders: DIR/{train,val}/<wnid>/*, read by torchvision's ImageFolder in loader workers.
+"""
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torchvision
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
+from torchvision.transforms import v2
+
+from augment import normalize
+from utils import UserError, one_line, score
+
+# -----------------------------------------------------------------------------
+# CIFAR
+NUM_CLASSES = {'cifar10': 10, 'cifar100': 100}
+# Per-channel mean/std of the training images (CIFAR-10's are the locuslab script's).
+MEAN = {'cifar10': (0.4914, 0.4822, 0.4465), 'cifar100': (0.5071, 0.4865, 0.4409)}
+STD = {'cifar10': (0.2471, 0.2435, 0.2616), 'cifar100': (0.2673, 0.2564, 0.2762)}
+
+
+def load_cifar(root, dataset, train, subset=0, classes=None):
+    """uint8 images (N, 3, 32, 32), int64 labels (N,): from an image folder root/{train,test}/<class>/*, else
+    from torchvision's CIFAR folder in root (downloaded when absent). subset: the first subset/C per class.
+    classes: only these, relabelled 0..k-1 in this order."""
+    root, num_classes, split = Path(root), NUM_CLASSES[dataset], 'train' if train else 'test'
+    if not ((root / 'train').is_dir() and (root / 'test').is_dir()):
+        cls = {'cifar10': torchvision.datasets.CIFAR10, 'cifar100': torchvision.datasets.CIFAR100}[dataset]
+        try:
+            ds = cls(root, train=train, download=True)  # a no-op when the files are there and pass their md5
+        except (OSError, RuntimeError) as e:  # offline (URLError is an OSError), or a download failing its md5
+            found = 'files that fail their md5 check' if (root / cls.base_folder).exists() else f'no {dataset}'
+            raise UserError(f'{root} holds {found}, and torchvision could not download it ({one_line(e)}). Fetch '
+                            f'{cls.url} into {root}, or pass --data DIR with DIR/train/<class>/*, DIR/test/<class>/*')
+        labels = torch.tensor(ds.targets)
+        keep = balanced_subset(labels, subset, classes or num_classes)
+        return torch.from_numpy(ds.data[keep.numpy()]).permute(0, 3, 1, 2).contiguous(), relabel(labels[keep], classes)
+    try:  # torchvision's ImageFolder: the sorted class folders, their index is the label
+        ds = torchvision.datasets.ImageFolder(root / split)
+    except FileNotFoundError as e:  # an empty class folder, or none at all
+        raise UserError(f'{root / split}: {e}')
+    train_classes = torchvision.datasets.folder.find_classes(root / 'train')[0]
+    if ds.classes != train_classes or len(ds.classes) != num_classes:
+        raise UserError(f'{root / split} must hold the {num_classes} class folders of {root / "train"}; only in '
+                        f'{split}: {sorted(set(ds.classes) - set(train_classes))}, only in train: '
+                        f'{sorted(set(train_classes) - set(ds.classes))}')
+    labels = torch.tensor(ds.targets)
+    keep = balanced_subset(labels, subset, classes or num_classes)
+    x = []
+    for path, _ in (ds.samples[i] for i in keep):  # ~30 us per 32x32 image
+        try:
+            x.append(np.asarray(ds.loader(path)))  # PIL, as RGB
+        except (OSError, SyntaxError, ValueError) as e:  # unreadable, truncated, a broken PNG
+            raise UserError(f'cannot decode {path}: {e}')
+        if x[-1].shape != (32, 32, 3):
+            raise UserError(f'{path} is {x[-1].shape[1]}x{x[-1].shape[0]} px; CIFAR images are 32x32')
+    return torch.from_numpy(np.stack(x)).permute(0, 3, 1, 2).contiguous(), relabel(labels[keep], classes)
+
+
+def balanced_subset(labels, n, classes):
+    """Sorted indices of the first n // k (+1 for the first n % k) images of each of k classes (a list, or
+    range(classes)); n = 0: all of their images."""
+    classes = range(classes) if isinstance(classes, int) else classes
+    quota = [n // len(classes) + (j < n % len(classes)) if n else len(labels) for j in range(len(classes))]
+    picked = [(labels == c).nonzero()[:q, 0] for c, q in zip(classes, quota)]
+    if n and any(len(idx) < q for idx, q in zip(picked, quota)):
+        raise UserError(f'a class-balanced subset of {n} images needs {max(quota)} of every class; some have fewer')
+    return torch.cat(picked).sort().values
+
+
+def relabel(y, classes):  # --classes 5 6 7: labels 5, 6, 7 -> 0, 1, 2
+    return torch.tensor([classes.index(c) for c in y.tolist()], dtype=torch.int64) if classes else y
+
+
+def resize(x, img_size):  # (B, 3, 32, 32) -> (B, 3, img_size, img_size), bilinear, on the device
+    return x if x.shape[-1] == img_size else F.interpolate(x, size=img_size, mode='bilinear', antialias=False)
+
+
+def evaluate(model, x_u8, y, mean, std, batch_size=1024, rank=0, world=1, autocast=None, channels_last=False,
+             img_size=32):
+    """utils.score() on uint8 images, exact under DDP: rank r takes the images [r*N/W, (r+1)*N/W)."""
+    lo, hi = len(y) * rank // world, len(y) * (rank + 1) // world
+    fmt = torch.channels_last if channels_last else torch.preserve_format
+    batches = ((resize(normalize(xb, mean, std), img_size).to(memory_format=fmt), yb)
+               for xb, yb in zip(x_u8[lo:hi].split(batch_size), y[lo:hi].split(batch_size)))
+    return score(model, batches, autocast, world > 1)
+
+
+# -----------------------------------------------------------------------------
+# ImageNet-style folders
+MEANS = {'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+         'jax': ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}  # official JAX input pipeline: x / 127.5 - 1
+LAYOUT = ('expected ImageNet-1k in ImageFolder layout: DIR/train/<wnid>/*.JPEG and DIR/val/<wnid>/*.JPEG (the '
+          'validation images sorted into the same class folders, e.g. by the valprep.sh of the PyTorch ImageNet '
+          'example; the tars come from image-net.org)')
+
+
+def eval_transform(img_size, crop_pct=0.875, interp='bilinear', norm='jax', to_float=True):
+    """Resize the shorter side to img_size / crop_pct, centre-crop img_size; to_float: then [0, 1] and normalise
+    (else uint8, for augment.normalize on the device: the same arithmetic)."""
+    mode = {'bilinear': v2.InterpolationMode.BILINEAR, 'bicubic': v2.InterpolationMode.BICUBIC}[interp]
+    t = [v2.Resize(int(img_size / crop_pct), mode, antialias=True), v2.CenterCrop(img_size), v2.PILToTensor()]
+    return v2.Compose(t + ([v2.ToDtype(torch.float32, scale=True), v2.Normalize(*MEANS[norm])] if to_float else []))
+
+
+class ImageFolder(torchvision.datasets.ImageFolder):
+    """torchvision's, but an image PIL cannot decode comes back blank with label -1 - index: an exception in a
+    loader worker reaches the main process inside the worker's traceback, so on_device() names the file."""
+
+    def __init__(self, root, split, transform, img_size):
+        try:
+            super().__init__(os.path.join(root, split), transform=transform)
+        except (FileNotFoundError, RuntimeError) as e:  # no such folder, no class folders, or an empty one
+            raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
+        self.img_size = img_size
+
+    def __getitem__(self, index):
+        try:
+            return super().__getitem__(index)
+        except (OSError, ValueError):  # PIL: cannot identify image file, image file is truncated, ...
+            return torch.zeros(3, self.img_size, self.img_size), -1 - index
+
+
+def on_device(loader, device, fmt=torch.preserve_format):
+    """The loader's batches on the device; an image that could not be decoded (label < 0) is named while the labels
+    are still on the CPU (no host sync)."""
+    for x, y in loader:
+        if (y < 0).any():
+            raise UserError(f'cannot decode the image {loader.dataset.samples[-1 - int(y.min())][0]} (corrupt or '
+                            'truncated); replace or delete it')
+        yield x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
+
+
+def folder_samples(root, subset=0):
+    """An ImageFolder set DIR/<wnid>/*: (sorted wnids, [(path, class index)]); subset: the first N/C of each class."""
+    try:
+        classes, class_to_idx = find_classes(root)
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise UserError(f'{root}: {e} (expected DIR/<wnid>/*.JPEG)')
+    samples = make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
+    if subset:
+        per = [[s for s in samples if s[1] == c][:subset // len(classes) + (c < subset % len(classes))]
+               for c in range(len(classes))]
+        samples = sorted(s for p in per for s in p)
+        if len(samples) < subset:
+            raise UserError(f'{root} has too few images of some class for a class-balanced --subset {subset}')
+    return classes, samples
+
+
+class Samples(torch.utils.data.Dataset):
+    """(path, label) pairs -> (uint8 image (3, S, S), label, index). An image PIL cannot decode comes back
+    with label -1 (an exception in a loader worker arrives inside its traceback); folder_batches names it."""
+
+    def __init__(self, samples, transform):
+        self.samples, self.transform, self.size = samples, transform, transform.transforms[1].size  # centre crop's
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        try:
+            return self.transform(default_loader(self.samples[i][0])), self.samples[i][1], i
+        except (OSError, ValueError):  # PIL: cannot identify image file, truncated, ...
+            return torch.zeros(3, *self.size, dtype=torch.uint8), -1, i
+
+
+def folder_batches(samples, transform, batch_size, workers, rank, world):
+    """Rank r reads samples r, r + W, ... -> (x uint8 (B, 3, S, S), y, index into samples)."""
+    data = torch.utils.data.Subset(Samples(samples, transform), range(rank, len(samples), world))
+    loader = torch.utils.data.DataLoader(data, batch_size, num_workers=workers, pin_memory=torch.cuda.is_available())
+    for x, y, i in loader:
+        if (y < 0).any():  # still on the CPU: no host sync
+            raise UserError(f'cannot decode {samples[int(i[y < 0][0])][0]} (corrupt or truncated); '
+                            'replace or delete it')
+        yield x, y, i

@@ -1,0 +1,155 @@
+"""Every model of the repo by name, and every checkpoint format into it, for every script.
+
+build_model: a config of vit.py, mixer.py or convmixer.py, the CIFAR ResNets (resnet18 with the CIFAR stem,
+resnet20) or torchvision's ImageNet ResNets (resnet50/101/152, the SAM paper's baselines).
+load_weights: our last.pt, timm / torchvision / locuslab state_dicts, the official JAX .npz of ViT and Mixer.
+load_model: what a checkpoint holds, built from the flags our last.pt stored (or given), then loaded.
+"""
+import ast
+
+import torch
+import torch.nn as nn
+import torchvision
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torchvision.models.resnet import BasicBlock
+
+import convmixer
+import mixer
+import vit
+from data import NUM_CLASSES
+from utils import UserError, one_line, read_checkpoint, stored_args
+
+MODEL_FILES = (convmixer, vit, mixer)
+IMAGENET_RESNETS = ('resnet50', 'resnet101', 'resnet152')
+CIFAR_RESNETS = ('resnet18', 'resnet20')
+NAMES = [n for m in MODEL_FILES for n in m.configs] + list(CIFAR_RESNETS + IMAGENET_RESNETS)
+
+
+def parse_model_kw(items):
+    """['dim=128', 'activation=relu'] -> {'dim': 128, 'activation': 'relu'} (Python literals, else strings)."""
+    out = {}
+    for key, sep, value in (item.partition('=') for item in items):
+        if not sep or not key.isidentifier():
+            raise UserError(f'--model-kw expects KEY=VALUE, got {key + sep + value!r}')
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def cifar_resnet(name, num_classes, stem_stride=1):
+    """resnet20: He et al. 2016 Sec. 4.2, 3x3 conv to 16, 3 stages of 3 BasicBlocks (16/32/64 channels at
+    32/16/8 px), pool, linear: 0.27M params; stem_stride=2 (a deviation, for geometry.py table1's CPU budget)
+    halves every map: 4x fewer FLOPs. resnet18: torchvision's with the CIFAR stem (3x3, stride 1, no pool)."""
+    if name == 'resnet18':
+        model = torchvision.models.resnet18(num_classes=num_classes)
+        model.conv1, model.maxpool = nn.Conv2d(3, 64, 3, padding=1, bias=False), nn.Identity()
+    else:
+        layers = [nn.Conv2d(3, 16, 3, stem_stride, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True)]
+        for c_in, c in ((16, 16), (16, 32), (32, 64)):
+            # option (A) where the width doubles: subsample by 2, zero-pad the new channels (dims 1-3 of the batch)
+            down = nn.Sequential(nn.MaxPool2d(1, 2), nn.ConstantPad3d((0, 0, 0, 0, 0, c - c_in), 0.0))
+            layers += [BasicBlock(c_in, c, c // c_in, down if c > c_in else None), BasicBlock(c, c), BasicBlock(c, c)]
+        model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+    for m in model.modules():  # He init, as torchvision's ResNet
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode='fan_out', nonlinearity='relu')
+    return model
+
+
+def build_model(name, num_classes, img_size, model_kw=None, *, cifar=False):
+    """The model `name` for num_classes classes and img_size px; model_kw overrides the constructor last.
+    cifar: train_cifar.py's adaptation of ImageNet configs at 32 px (ViT/Mixer patch p -> p/4, ConvMixer p -> p/7).
+    A bad setting is a UserError naming it (the constructors raise TypeError/ValueError)."""
+    model_kw = dict(model_kw or {})
+    if given := [f'{k}={v}' for k, v in model_kw.items() if k in ('num_classes', 'img_size')]:
+        raise UserError(f'--model-kw {" ".join(given)}: the class count comes from --data or --dataset, the size '
+                        'from --img-size')
+    if name not in NAMES:
+        raise UserError(f'unknown model {name!r}; valid names: {", ".join(NAMES)}')
+    if name in CIFAR_RESNETS:
+        if model_kw and not (name == 'resnet20' and model_kw.keys() == {'stem_stride'}
+                             and model_kw['stem_stride'] in (1, 2)):
+            raise UserError(f'--model-kw {", ".join(model_kw)}: resnet18 takes none; resnet20 only stem_stride=1 or 2')
+        return cifar_resnet(name, num_classes, **model_kw)
+    over = {'num_classes': num_classes}
+    module = next((m for m in MODEL_FILES if name in m.configs), None)
+    if module is not None:
+        cfg = module.configs[name]
+        if module is not convmixer:  # (a ConvMixer takes any size)
+            over['img_size'] = img_size
+        if cifar and img_size == 32 and (cfg['patch_size'] >= 7 if module is convmixer else cfg.get('img_size') != 32):
+            over['patch_size'] = cfg['patch_size'] // 7 if module is convmixer else max(1, cfg['patch_size'] // 4)
+        patch = {**cfg, **over, **model_kw}['patch_size']
+        if module is convmixer and isinstance(patch, int) and patch > 0 and img_size % patch:
+            raise UserError(f'--model-kw patch_size={patch} does not divide {img_size} px: the border would be dropped')
+    try:
+        if module is None:  # torchvision's ImageNet ResNets
+            return getattr(torchvision.models, name)(**over, **model_kw)
+        return module.create(name, **{**over, **model_kw})
+    except (TypeError, ValueError) as e:  # an unknown key (TypeError names it), or a shape the model refuses
+        kw = ' '.join(f'{k}={v}' for k, v in model_kw.items())
+        raise UserError(f'--model {name} --img-size {img_size} --model-kw {kw}: {e}') from None
+
+
+def load_weights(model, path, finetune=False, new_head=False):
+    """Load strictly our last.pt ('model'), a timm or locuslab file ('state_dict' or bare; 'module.', '_orig_mod.'
+    stripped; locuslab keys converted) or an official JAX .npz (ViT, Mixer). finetune=True also takes weights
+    trained on other classes (new_head, or another count) or at another resolution: the head is replaced, a
+    ViT's pos_embed resampled."""
+    if str(path).endswith('.npz'):  # official JAX weights: a ViT or an MLP-Mixer
+        try:
+            sd = (vit if isinstance(model, vit.VisionTransformer) else mixer).load_npz(path)
+        except Exception as e:  # a missing file, numpy's, zip's or the converter's errors: "unreadable"
+            raise UserError(f'cannot read {path}: {type(e).__name__}: {one_line(e)}')
+    else:
+        ckpt = read_checkpoint(path, 'weights')
+        sd = ckpt.get('model', ckpt.get('state_dict', ckpt)) if isinstance(ckpt, dict) else None
+        if not isinstance(sd, dict) or not all(torch.is_tensor(v) for v in sd.values()):
+            raise UserError(f'{path} holds no state_dict (under "model", "state_dict" or bare)')
+        for prefix in ('module.', '_orig_mod.'):
+            consume_prefix_in_state_dict_if_present(sd, prefix)
+        sd = convmixer.from_locuslab(sd) if isinstance(model, convmixer.ConvMixer) else sd
+    own = model.state_dict()
+    if finetune:  # the classifier (the last Linear: head, fc) starts at zero (ViT paper Sec. 3.2) for new classes
+        head = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+        if new_head or any(k not in sd or sd[k].shape != own[k].shape for k in (f'{head}.weight', f'{head}.bias')):
+            sd.update({k: torch.zeros_like(own[k]) for k in (f'{head}.weight', f'{head}.bias')})  # (or headless)
+        if isinstance(model, vit.VisionTransformer) and 'pos_embed' in sd:  # Sec. 3.2: 2-D interpolation
+            try:
+                sd['pos_embed'] = vit.resample_pos_embed(sd['pos_embed'], model.grid, model.num_prefix_tokens)
+            except ValueError as e:  # e.g. a class token in one and not in the other
+                raise UserError(f'{path}: {e}')
+        k = 'blocks.0.mlp_tokens.fc1.weight'  # (D_S, S): the token-mixing MLP is tied to the token count S
+        if isinstance(model, mixer.MlpMixer) and k in sd and sd[k].shape[1] != own[k].shape[1]:
+            raise UserError(f'{path} is a Mixer of {sd[k].shape[1]} tokens, this one has {own[k].shape[1]}: its '
+                            'token-mixing MLP is tied to the token count; pick --img-size / patch_size to match')
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as e:  # torch names the missing and unexpected keys and both shapes
+        raise UserError(f'{path} does not fit this --model / --model-kw / --dataset: {one_line(e)}')
+
+
+def load_model(checkpoint, name=None, model_kw=None, dataset=None, num_classes=None, img_size=None):
+    """The model in `checkpoint` (None: the fresh init), for robustness.py and geometry.py. Our last.pt stores its
+    model, --model-kw, --dataset, --img-size and --classes; the arguments given win, and other files need name.
+    -> (model in eval mode on the CPU, info: name, model_kw (strings), dataset, img_size, num_classes, stored args)"""
+    stored = (stored_args(checkpoint, '--checkpoint') if checkpoint else None) or {}
+    name = name or stored.get('model')
+    if not name:
+        raise UserError(f'give --model: {checkpoint} does not say which model it holds' if checkpoint else
+                        'give --model (or an --checkpoint of ours, which names its model)')
+    kw = model_kw if model_kw is not None else stored.get('model_kw') or []
+    # train_imagenet's runs store a recipe and no dataset; train_cifar's and train_contrastive's their dataset
+    dataset = dataset or stored.get('dataset') or ('imagenet' if 'recipe' in stored else 'cifar10')
+    if dataset == 'imagenet':
+        img_size, num_classes = img_size or stored.get('img_size') or 224, num_classes or 1000
+    else:  # a train_cifar run with --classes has that many outputs; --img-size upsampled its 32 px inputs
+        img_size = img_size or stored.get('img_size') or 32
+        num_classes = num_classes or (len(stored['classes']) if stored.get('classes') else NUM_CLASSES[dataset])
+    model = build_model(name, num_classes, img_size, parse_model_kw(kw), cifar=dataset != 'imagenet')
+    if checkpoint:
+        load_weights(model, checkpoint)
+    return model.eval(), dict(name=name, model_kw=list(kw), dataset=dataset, img_size=img_size,
+                              num_classes=num_classes, stored=stored)

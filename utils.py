@@ -1,0 +1,248 @@
+"""Run plumbing shared by every script: the one user-error mechanism, where this process runs (torchrun's
+environment, device, mixed precision), the run folder, atomic writes, resume, exact evaluation, teardown.
+Nothing here is part of an algorithm: the scripts keep their training loops (and the SAM step) written out."""
+import contextlib
+import json
+import math
+import os
+import tempfile
+import time
+from argparse import Namespace
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+RUN_FILES = ('last.pt', 'metrics.jsonl', 'args.json')  # what a training run writes into its --out
+RUN_KEYS = ('model', 'optimizer', 'scaler', 'step', 'history', 'args')  # what every script's last.pt holds
+NO_STEP = 2 ** 62  # "no step yet" for the first non-finite loss
+EXTRAS = 'pip install -r requirements-extras.txt'
+
+
+class UserError(Exception):  # a mistake in the command line or the files it names: one line, exit 1
+    pass
+
+
+def one_line(e):  # an exception's message on one line
+    return ' '.join(str(e).split())
+
+
+def fmt_time(s):
+    s = int(round(s))
+    return f'{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}' if s >= 3600 else f'{s // 60}:{s % 60:02d}'
+
+
+def epoch_seed(*key):
+    """A 32-bit seed that depends on every item of key, e.g. (seed, epoch, rank) or (seed, corruption, image)."""
+    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1)[0])
+
+
+def check_ranges(args, positive, non_negative, at_most):
+    """Every flag named is a finite number, > 0 (positive) or >= 0, and at most at_most[flag] where given."""
+    for key in positive + non_negative:
+        v, most = getattr(args, key), at_most.get(key, math.inf)
+        if not (math.isfinite(v) and (v > 0 if key in positive else v >= 0) and v <= most):
+            raise UserError(f'--{key.replace("_", "-")} must be a finite number {"> 0" if key in positive else ">= 0"}'
+                            + (f' and <= {most}' if key in at_most else '') + f', got {v}')
+
+
+# ----- Where this process runs: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; alone, it is rank 0 of 1.
+@dataclass
+class Process:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+    amp: str  # 'bf16', 'fp16' or 'off'
+    amp_dtype: torch.dtype  # None for 'off'
+    autocast: torch.autocast  # reusable: `with proc.autocast:`
+    ddp: bool  # world > 1: torchrun started this process
+
+    @property
+    def master(self):  # the one process that prints and saves
+        return self.rank == 0
+
+    def log(self, *args, **kw):
+        if self.master:
+            print(*args, **kw, flush=True)
+
+
+def setup(amp='auto'):
+    """This process's rank, device (cuda:LOCAL_RANK when CUDA is there) and autocast. amp 'auto': bf16 on a GPU
+    that has it, else off. TF32 and cudnn.benchmark on, as timm trains (exactness claims are tested on CPU)."""
+    rank, local_rank, world = (int(os.environ.get(k, d)) for k, d in (('RANK', 0), ('LOCAL_RANK', 0),
+                                                                       ('WORLD_SIZE', 1)))
+    device = torch.device('cpu')
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise UserError(f'LOCAL_RANK {local_rank}, but this machine has {torch.cuda.device_count()} GPU(s): '
+                            'pass --nproc_per_node <= the GPU count')
+        device = torch.device('cuda', local_rank)
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if amp == 'auto':
+        amp = 'bf16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'off'
+    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'off': None}[amp]
+    autocast = torch.autocast(device.type, dtype, enabled=dtype is not None)
+    return Process(rank, local_rank, world, device, amp, dtype, autocast, world > 1)
+
+
+def init_group(proc):
+    """The process group under torchrun: nccl bound to this process's GPU, gloo on CPUs. No-op alone."""
+    if proc.ddp:
+        cuda = proc.device.type == 'cuda'
+        dist.init_process_group('nccl' if cuda else 'gloo', device_id=proc.device if cuda else None)
+
+
+@contextlib.contextmanager
+def rank_zero_first(proc):
+    """Rank 0 runs the block first (a download, a folder scan), the other ranks after it."""
+    for first in (False, True):  # the others wait at the first barrier, rank 0 meets them at the second
+        if proc.ddp and proc.master == first:
+            dist.barrier()
+        if not first:
+            yield
+
+
+def wrap_ddp(model, proc):  # DistributedDataParallel under torchrun (on its GPU, or the CPU), else the model
+    if not proc.ddp:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model, [proc.device] if proc.device.type == 'cuda' else None)
+
+
+def leave(distributed):
+    if distributed:
+        dist.barrier()  # rank 0 may still be writing: leave together (gloo aborts a one-sided teardown)
+        dist.destroy_process_group()
+
+
+# ----- Checkpoints, the run folder, atomic writes.
+def read_checkpoint(path, flag):
+    if not os.path.isfile(path):
+        raise UserError(f'{flag} {path}: no such file')
+    try:
+        with torch.serialization.safe_globals([Namespace]):  # timm's checkpoints hold their args
+            return torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:  # zip, pickle, OS or Runtime errors: all mean "unreadable"
+        raise UserError(f'{flag} {path} is not a readable checkpoint ({type(e).__name__}: {one_line(e)})')
+
+
+def stored_args(path, flag):  # the flags of the run that wrote `path` if it is one of our last.pt files, else None
+    ckpt = None if str(path).endswith('.npz') else read_checkpoint(path, flag)
+    return ckpt['args'] if isinstance(ckpt, dict) and set(RUN_KEYS) <= ckpt.keys() else None
+
+
+def prepare_out(args):
+    """Refuse to touch another run, and fail now, not at the first save, if --out cannot be written."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f'--out {out} is a file, not a folder')
+    held = [f for f in RUN_FILES if (out / f).exists()]
+    if held and not args.overwrite and not (args.resume and Path(args.resume).resolve().parent == out.resolve()):
+        raise UserError(f'--out {out} already holds a run ({", ".join(held)}); use --resume {out / "last.pt"}, '
+                        'or pick another --out, or pass --overwrite')
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise UserError(f'--out {out} is not writable: {e.strerror or e}')
+    return out  # (with --overwrite the old files stay whole until the new run's first epoch replaces them)
+
+
+def save_atomic(path, obj):
+    """obj into PATH.tmp, then os.replace: a reader sees the old file or the new one. obj: for .pt what torch.save
+    takes; .jsonl a list of rows; .json a dict; else a function that writes into the open binary file (np.save,
+    fig.savefig). A failed write (a full disk) removes PATH.tmp, keeps the previous PATH, is a UserError."""
+    path = Path(path)
+    tmp = path.with_name(path.name + '.tmp')
+    try:
+        with open(tmp, 'wb') as f:
+            if callable(obj):
+                obj(f)
+            elif path.suffix == '.pt':
+                torch.save(obj, f)  # into a file object: a full disk comes back as OSError with its errno
+            elif path.suffix == '.jsonl':
+                f.write(''.join(json.dumps(r, allow_nan=False) + '\n' for r in obj).encode())
+            else:
+                f.write((json.dumps(obj, indent=1, allow_nan=False) + '\n').encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        kept = f'the previous {path.name} is intact' if path.exists() else 'nothing was saved there'
+        raise UserError(f'could not write {path}: {getattr(e, "strerror", None) or one_line(e)}; {kept}')
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def pyplot(hint=''):  # matplotlib's pyplot (Agg), imported only where a figure is drawn
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError(f'plots need matplotlib; {EXTRAS}{hint}') from None
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def restore(ckpt, opt, scaler, args, not_inherited, log):
+    """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags. -> (epoch, step, history)"""
+    try:
+        opt.load_state_dict(ckpt['optimizer'])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})')
+    if ckpt['scaler'] and scaler.is_enabled():
+        scaler.load_state_dict(ckpt['scaler'])
+    if ckpt['epoch'] >= args.epochs:
+        raise UserError(f"{args.resume} has trained all {ckpt['epoch']} epochs; pass --epochs N > {ckpt['epoch']}")
+    changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
+               if k in args.saved_args and k not in not_inherited and args.saved_args[k] != v]
+    log(f"resumed {args.resume} at epoch {ckpt['epoch']}, step {ckpt['step']}; "
+        f"changed: {', '.join(changed) or 'nothing'}")
+    return ckpt['epoch'], ckpt['step'], ckpt['history']
+
+
+# ----- Divergence, interruption, exact evaluation.
+def check_finite(first_bad, steps, saved, unit='epoch', distributed=False):
+    """Stop on divergence. first_bad: the first step with a non-finite loss, or NO_STEP; reading it syncs;
+    distributed (a collective, on every rank): the first of all ranks."""
+    if distributed:
+        dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+    if (bad := int(first_bad)) != NO_STEP:
+        raise UserError(f'training diverged: the loss is not finite from epoch {(bad - 1) // steps + 1}, step '
+                        f'{(bad - 1) % steps + 1}/{steps} on; nothing was saved after it; '
+                        f'{since_checkpoint(saved, unit)}. Lower --lr or clip with --clip-grad')
+
+
+def since_checkpoint(saved, unit='epoch'):
+    """Where a stopped run goes on from. saved: (path, epoch or step) of its last checkpoint; path None: none."""
+    path, at = saved
+    return f'the last checkpoint is {path} ({unit} {at}); continue with --resume {path}' if path else \
+        'no checkpoint was saved'
+
+
+@torch.no_grad()
+def score(model, batches, autocast=None, distributed=False):
+    """Mean loss and top-1/top-5 accuracy (%) of model (in eval mode) on (x, y) batches; distributed: over all
+    ranks, each image counted once (the caller gives each rank its own images, no padding)."""
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=next(model.parameters()).device)  # loss, top-1, top-5, images
+    for x, y in batches:
+        with autocast or nullcontext():
+            out = model(x).float()
+        hits = out.topk(min(5, out.shape[1]), dim=1).indices == y[:, None]
+        sums[:3] += torch.stack([F.cross_entropy(out, y, reduction='sum').double(), hits[:, 0].sum(),
+                                 hits.any(1).sum()])
+        sums[3] += len(y)  # a Python number: no host-to-device copy (which would sync)
+    if distributed:
+        dist.all_reduce(sums)
+    loss, top1, top5, n = sums.tolist()
+    return {'loss': loss / n, 'top1': 100 * top1 / n, 'top5': 100 * top5 / n, 'correct': int(top1), 'n': int(n)}
+
+
+def eta(t_loop, done, left):  # time left at the pace since t_loop: `done` steps took that long, `left` remain
+    return fmt_time((time.time() - t_loop) / max(done, 1) * left)
