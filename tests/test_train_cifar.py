@@ -228,6 +228,32 @@ def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
     assert f"test loss {single['loss']:.4f}" in line
 
 
+def test_each_rank_draws_its_own_dropout_and_a_rerun_draws_the_same(cifar10_dir, tmp_path, monkeypatch):
+    """For a torch seed that leaves out the rank (every rank the same dropout, drop-path and PGD random-start
+    draws): at the first training step the global torch generator, which those draw from, gives rank 1
+    other numbers than rank 0, and a rerun of a rank the same ones. (The run stops there; RANK as torchrun
+    sets it, without a process group: nothing before the first step talks to the other ranks.)"""
+    class FirstStep(Exception):
+        pass
+
+    def first_draws(rank, run):
+        monkeypatch.setenv('RANK', str(rank))
+        drawn = []
+
+        def stop(x, img_size):  # called with the augmented batch, just before the forward pass
+            drawn.append(torch.rand(32))
+            raise FirstStep
+        monkeypatch.setattr(tc, 'resize', stop)
+        with pytest.raises(FirstStep):
+            tc.main([str(a) for a in ['--data', cifar10_dir, '--train-subset', 40, '--test-subset', 10,
+                                      '--batch-size', 20, '--epochs', 1, *TINY, '--out', tmp_path / f'{rank}{run}']])
+        return drawn[0]
+    monkeypatch.delenv('WORLD_SIZE', raising=False)
+    rank0, rank1 = first_draws(0, 'a'), first_draws(1, 'a')
+    assert not torch.isclose(rank0, rank1).any()
+    assert torch.equal(first_draws(0, 'b'), rank0) and torch.equal(first_draws(1, 'b'), rank1)
+
+
 # -----------------------------------------------------------------------------
 # 3. A run stopped by Ctrl-C, resumed, killed (SIGKILL) in the middle of writing last.pt, and resumed
 # again ends bit-identical to an uninterrupted run: weights, AdamW state, the state of an enabled
