@@ -217,6 +217,8 @@ RTOL, ATOL = 1e-6, 2e-7
 
 
 def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
+    """A 2-process SAM epoch equals the per-replica eps-hat simulation within RTOL, ATOL, which a first pass
+    outside first_pass (eps-hat from all-reduced gradients) misses by ~200 x; then exact DDP evaluation."""
     _, _, _, learned = learning_runs['plain']  # 5 epochs, strong augmentation, lr 0.03, seed 0
     out_dir = tmp_path / 'ddp'
     torchrun(2, '--data', cifar10_dir, '--train-subset', 480, '--test-subset', 1001, '--batch-size', 80,
