@@ -71,6 +71,30 @@ def test_randaugment_op_matches_torchvision(images, draws, name):
     assert (name in A.RA_SIGNED) == (negatives > 0)
 
 
+@pytest.mark.parametrize('m', [9, 17])
+def test_make_augment_randaug_m_is_torchvision_magnitude_m(images, draws, m):
+    """For the pipeline building its table at another bin than --randaug-m (m + 1, say): make_augment(randaug_m=m)
+    end to end, crop off (scale 1), RandAugment(1, m) only. Every output image is torchvision's own
+    RandAugment(num_ops=1, magnitude=m) of the image or of its mirror, for one of the 23 (op, sign) draws,
+    each forced through torchvision's forward by a seed that draws it; at most 1% of its values differ."""
+    seeds = {}  # (op, sign) -> the first seed under which torchvision draws it
+    for seed, key in enumerate(draws):
+        seeds.setdefault(key, seed)
+    assert len(seeds) == 14 + len(A.RA_SIGNED)
+    out = make(scale=1.0, randaug_n=1, randaug_m=m, seed=m)(images)
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+    ours = ((out * std + mean) * 255).round()  # the integers 0..255 again (test_flip_only_and_normalisation
+    # checks the normalisation itself)
+    fewest = torch.full((len(images),), images[0].numel())  # per image: the fewest values differing from a draw
+    for x in (images, images.flip(3)):
+        for seed in seeds.values():
+            torch.manual_seed(seed)
+            ref = T.RandAugment(num_ops=1, magnitude=m)(x)  # the whole batch, one draw
+            fewest = torch.minimum(fewest, (ref.float() != ours).flatten(1).sum(1))
+    off = (fewest > 0.01 * images[0].numel()).sum().item()
+    assert off == 0, f'{off} of {len(images)} images are no draw of RandAugment(1, {m}): {sorted(fewest.tolist())[-8:]}'
+
+
 def test_randaugment_draws_an_op_per_image(images):
     """One image 240 times, RandAugment(1, 9) only: every image draws its own op and sign. (One op for
     the whole batch would leave at most 4 different results: 2 signs x 2 flips.)"""

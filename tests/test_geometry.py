@@ -96,6 +96,24 @@ def test_hessian_tiny_mlp_equals_full_hessian():
     assert lam == pytest.approx(dominant(torch.linalg.eigvalsh(H)), rel=1e-4)
 
 
+def test_hessian_power_iteration_step_by_step_in_float64():
+    """For the off-by-one (the estimate of the iteration before): with tol=0 and iters=k, the estimate equals
+    that of k steps of power iteration on the full float64 Hessian from the same seeded start vector
+    (PyHessian's: randn per parameter from the seeded generator, normalised), v <- Hv / ||Hv||, v^T H v."""
+    model, batches, H = tiny_mlp_problem()
+    gen = torch.Generator().manual_seed(7)
+    v = torch.cat([torch.randn(p.shape, generator=gen, dtype=p.dtype).flatten() for p in model.parameters()])
+    v = v.double() / v.double().norm()
+    want = []
+    for _ in range(6):
+        hv = H @ v
+        want.append((v @ hv).item())
+        v = hv / hv.norm()
+    assert min(abs(a - b) for a, b in zip(want, want[1:])) > 1e-3 * abs(want[-1])  # each step moves it
+    got = [G.hessian_eigenvalue(model, F.cross_entropy, batches, iters=k, tol=0, seed=7) for k in range(1, 7)]
+    assert got == pytest.approx(want, rel=1e-9, abs=0)
+
+
 def test_hessian_block_equals_block_of_full_hessian():
     model, batches, H = tiny_mlp_problem()
     n1 = sum(p.numel() for p in model[0].parameters())  # fc1 weight + bias come first in the flat vector

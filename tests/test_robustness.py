@@ -141,11 +141,14 @@ def paint(path, k):
 
 
 def test_imagenet_c_folder_counts_labels_and_mce(tmp_path):
+    """Counts per (corruption, severity) through the ImageNet-C layout, and mCE by hand from AlexNet's errors
+    (typed in above). The clean set has an error, so that an mCE normalised by the model's own clean error
+    fails the mCE assertion itself (with a clean accuracy of 100% it failed only by a ZeroDivisionError)."""
     clean, root = tmp_path / 'val', tmp_path / 'imagenet-c'
     for k, w in enumerate(WNIDS):
         (clean / w).mkdir(parents=True)
-        for j in range(2):
-            paint(clean / w / f'{j}.JPEG', k)
+        for j in range(2):  # one clean image painted as the next class: a clean error of 1/6, not 0
+            paint(clean / w / f'{j}.JPEG', (k + 1) % 3 if (k, j) == (1, 1) else k)
     expect = {}  # (corruption, severity) -> (correct, n)
     for ci, c in enumerate(ALEXNET):
         for s in range(1, 6):
@@ -172,10 +175,12 @@ def test_imagenet_c_folder_counts_labels_and_mce(tmp_path):
     for key, g in groups.items():  # as two ranks would: images 0, 2, 4, ... and 1, 3, 5, ...
         k = sum(rb.count(ColourNet(), rb.folder_batches(g, transform, 3, 0, rank, 2), zero, one) for rank in (0, 1))
         counts[key] = tuple(int(v) for v in k)
-    assert counts == {**expect, 'clean': (6, 6)}
+    assert counts == {**expect, 'clean': (5, 6)}
     report = rb.summarize({cell: counts[cell] for cell in expect}, counts['clean'], with_mce=True)
     err = {c: 1 - np.mean([expect[(c, s)][0] / expect[(c, s)][1] for s in range(1, 6)]) for c in ALEXNET}
+    # normalised by AlexNet's errors, not the model's own clean error (1/6 here, so the two readings differ)
     assert report['mce'] == pytest.approx(100 * np.mean([err[c] / ALEXNET[c] for c in ALEXNET]), rel=1e-12)
+    assert report['clean']['acc'] == pytest.approx(100 * 5 / 6)
     assert report['groups']['noise'] == pytest.approx(100 * (1 - np.mean([err[c] for c in list(ALEXNET)[:3]])))
     with pytest.raises(rb.UserError, match=r'spatter.1 not found; .* has: brightness, contrast'):
         rb.imagenet_c_samples(str(root), 'spatter', 1, class_to_idx)
@@ -257,6 +262,31 @@ def test_severity_5_hurts_more_than_severity_1(trained):
     s1, s5 = (np.mean([r['acc'][c][s] for c in names]) for s in ('1', '5'))
     assert s5 < s1 - 5 and s1 <= r['clean']['acc'] + 2, (s1, s5, r['acc'])
     assert r['clean']['acc'] == 100 * direct_correct(model, xt.permute(0, 2, 3, 1).numpy(), yt) / 200
+
+
+def test_on_the_fly_images_are_the_package_s_own_at_each_severity(tmp_path):
+    """For a severity passed off by one (s - 1, or max(s - 1, 1), which still hurts more at 5 than at 1): each
+    corrupted image equals imagecorruptions.corrupt(image, severity=s) bit for bit, under the per-image seed
+    written out here from the module's documented key (seed, corruption's index in the package, s, index)."""
+    images = np.random.default_rng(0).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    order = imagecorruptions.get_corruption_names('all')  # the package's own order of its 19 corruptions
+    names = ['contrast', 'pixelate', 'gaussian_noise']  # two without randomness, one from numpy's global RNG
+
+    def oracle(c, s, i, seed):
+        np.random.seed(np.random.SeedSequence([seed, order.index(c), s, i]).generate_state(1)[0])
+        return imagecorruptions.corrupt(images[i], severity=s, corruption_name=c)
+
+    for c in names:  # one chunk, severities 2..5 (the package refuses a severity of 0)
+        for s in range(2, 6):
+            got = rb.corrupt_chunk((images, 0, c, s, 9))
+            assert all(np.array_equal(got[i], oracle(c, s, i, 9)) for i in range(3)), (c, s)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
+    rb.corruption_accuracy(model, x, torch.arange(3), MEAN, STD, names, seed=9, cache_dir=str(tmp_path))
+    for c in names:  # end to end: the cache holds severity s in rows (s - 1) N .. s N
+        cached = np.load(tmp_path / f'{c}.npy')
+        for s in range(1, 6):
+            assert all(np.array_equal(cached[(s - 1) * 3 + i], oracle(c, s, i, 9)) for i in range(3)), (c, s)
 
 
 # -----------------------------------------------------------------------------
