@@ -52,12 +52,11 @@ own gradient, the SAM gradients of the groups are averaged, and the base optimiz
             optimizer.next_group()              # w <- w_old exactly; the sum of g_sam set aside
     scaler.unscale_(optimizer); clip; scaler.step(optimizer); scaler.update(); zero_grad as above
 
-k = 1 is the step above, bit for bit. With groups: GradScaler sees all groups' gradients at the
-end: an overflow in any group's first gradient leaves w where it is and keeps that gradient in
-the sum, so the whole step is skipped. Clipping (after the loop) clips the averaged g_sam.
-Micro-batches within a group work as above (loss / (k * micro), no_sync on all but the very last
-backward). ASAM takes T = |w| + eta per group at the restored w. BatchNorm running statistics are
-updated by each group's clean first pass (k updates a step, as k devices' batches would give).
+k = 1 is the step above, bit for bit. GradScaler: an overflow in any group's first gradient
+leaves w where it is and keeps that gradient in the sum, so the whole step is skipped. Clipping
+(after the loop) clips the averaged g_sam. Micro-batches within a group: as above, with the
+second loss / (k * micro) and no_sync on all but the very last backward. ASAM: T = |w| + eta at
+the restored w, per group. BatchNorm running statistics: each group's clean first pass (k updates).
 
 Which line does what, in brief (README "SAM" explains each choice and the tests that check it):
 first_pass -> m-sharpness under DDP (the official JAX code never all-reduces the first
@@ -68,7 +67,8 @@ in the base optimizer, outside eps_hat. No host sync: rho/||g|| stays on the dev
 saved, moved and restored by multi-tensor (torch._foreach_*) kernels, so the CPU can queue ahead.
 The one sync left is an enabled GradScaler's (fp16): whether to skip the base step is a Python
 decision on found_inf, as in GradScaler itself. Without a scaler or with a disabled one: none.
-Cost: two forward/backward passes and one saved copy of w. Self-contained: imports only torch.
+Cost: two forward/backward passes, one saved copy of w, and while first_step runs one flat copy
+of the move (ASAM: two more, of T and T g). Self-contained: imports only torch.
 """
 import contextlib
 
@@ -139,16 +139,19 @@ class SAM(torch.optim.Optimizer):
         self.moved = []
         for group, ps, gs, t, tg in todo:
             scale = torch.where(finite, group['rho'] / (norm + 1e-12), 0.0)  # 1e-12 guards g = 0
-            # g, or T^2 g for ASAM, times rho/||.||, in one flat buffer: so that on an overflow,
-            # where 0 * inf = nan, one nan_to_num makes the move exactly 0 and w stays w
-            step = torch.cat([x.reshape(-1) for x in (gs if t is None else torch._foreach_mul(t, tg))])
+            if t is not None:
+                torch._foreach_mul_(t, tg)  # T^2 g (ASAM), in place of T
+            # rho g/||g|| (ASAM: rho T^2 g/||T g||) in one flat buffer, so that on an overflow,
+            # where 0 * inf = nan, ONE nan_to_num makes the move exactly 0 and w stays w
+            step = torch.cat([x.reshape(-1) for x in (gs if t is None else t)])
             step.mul_(scale.to(step.device)).nan_to_num_(0.0, 0.0, 0.0)
             for p in ps:
                 if p not in self.w_old:
                     self.w_old[p] = torch.empty_like(p)
             torch._foreach_copy_([self.w_old[p] for p in ps], ps)  # exact restore, no arithmetic undo
-            torch._foreach_add_(ps, [s.view_as(p) for s, p in zip(step.split([p.numel() for p in ps]), ps)])
-            if zero_grad:  # x 0 if finite (.grad clean for the second pass), x 1 to keep an overflow
+            moves = step.split([p.numel() for p in ps])
+            torch._foreach_add_(ps, [d.view_as(p) for d, p in zip(moves, ps)])
+            if zero_grad:  # x 0 if finite (clean for the second pass), x 1 keeps an overflow
                 torch._foreach_mul_(gs, (~finite).to(device=gs[0].device, dtype=gs[0].dtype))
             self.moved += ps
         if self.set_aside is not None:  # m-sharpness: the earlier groups' g_sam, back onto .grad

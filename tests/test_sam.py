@@ -618,8 +618,8 @@ def _sam_group_step(model, opt, groups, scaler=None, micro=1, clip=None, plant=N
         opt.first_step(zero_grad=True)
         with second_pass(model, sync=j == k - 1):
             for i, (xb, yb) in enumerate(parts):
-                last = j == k - 1 and i == micro - 1
-                with contextlib.nullcontext() if last or not hasattr(model, 'no_sync') else model.no_sync():
+                last = (j == k - 1 and i == micro - 1) or not hasattr(model, 'no_sync')
+                with contextlib.nullcontext() if last else model.no_sync():
                     scaler.scale(F.cross_entropy(model(xb), yb) / (k * micro)).backward()
         if j < k - 1:
             opt.next_group()
