@@ -36,16 +36,41 @@ One step with k micro-batches (k = 1 without accumulation); `model` may be DDP-w
 Without a scaler end with optimizer.second_step(zero_grad=True), or let optimizer.step(closure)
 run both passes (closure: zero_grad, forward, backward, return the loss).
 
+m-sharpness (Foret et al. Sec. 4.1): eps_hat is computed per group of m images, not per batch.
+The paper's JAX code takes it per device, from that device's share of the batch, and finds a
+smaller m generalises better. Above, m = the per-device batch (first_pass: DDP no_sync). For a
+smaller m, cut the device's batch into k groups of m (x.split(m)); each group perturbs w with its
+own gradient, the SAM gradients of the groups are averaged, and the base optimizer steps once:
+
+    for j, (x, y) in enumerate(groups):         # k groups of m images
+        with first_pass(model):                 # a clean gradient of group j alone
+            scaler.scale(loss_fn(model(x), y)).backward()
+        optimizer.first_step(zero_grad=True)    # w <- w + eps_hat_j; .grad <- sum of g_sam so far
+        with second_pass(model, sync=j == k - 1):  # DDP: one all-reduce, on the last backward
+            scaler.scale(loss_fn(model(x), y) / k).backward()
+        if j < k - 1:
+            optimizer.next_group()              # w <- w_old exactly; the sum of g_sam set aside
+    scaler.unscale_(optimizer); clip; scaler.step(optimizer); scaler.update(); zero_grad as above
+
+k = 1 is the step above, bit for bit. GradScaler: an overflow in any group's first gradient
+leaves w where it is and keeps that gradient in the sum, so the whole step is skipped. Clipping
+(after the loop) clips the averaged g_sam. Micro-batches within a group: as above, with the
+second loss / (k * micro) and no_sync on all but the very last backward. ASAM: T = |w| + eta at
+the restored w, per group. BatchNorm running statistics: each group's clean first pass (k updates).
+
 Which line does what, in brief (README "SAM" explains each choice and the tests that check it):
-first_pass -> m-sharpness under DDP (Foret et al. Sec. 4.1; the official JAX code never
-all-reduces the first gradient); second_pass -> BatchNorm statistics from the clean pass;
-first_step keeps w and the non-finite gradients on an fp16 overflow (eps_hat does not depend on
-the loss scale: g/||g|| is scale-free), and SAM.step restores w before GradScaler skips a step;
-weight decay stays decoupled in the base optimizer, outside eps_hat.
-Cost: two forward/backward passes and one saved copy of w. Self-contained: imports only torch.
+first_pass -> m-sharpness under DDP (the official JAX code never all-reduces the first
+gradient); second_pass -> BatchNorm statistics from the clean pass; first_step keeps w and the
+non-finite gradients on an fp16 overflow (eps_hat does not depend on the loss scale: g/||g|| is
+scale-free), and SAM.step restores w before GradScaler skips a step; weight decay stays decoupled
+in the base optimizer, outside eps_hat. No host sync: rho/||g|| stays on the device, and w is
+saved, moved and restored by multi-tensor (torch._foreach_*) kernels, so the CPU can queue ahead.
+The one sync left is an enabled GradScaler's (fp16): whether to skip the base step is a Python
+decision on found_inf, as in GradScaler itself. Without a scaler or with a disabled one: none.
+Cost: two forward/backward passes, one saved copy of w, and while first_step runs one flat copy
+of the move (ASAM: two more, of T and T g). Self-contained: imports only torch.
 """
 import contextlib
-import math
 
 import torch
 
@@ -78,8 +103,9 @@ class SAM(torch.optim.Optimizer):
         self.param_groups = self.base_optimizer.param_groups  # one set of groups for both objects
         self.state = self.base_optimizer.state
         self.defaults = {**self.base_optimizer.defaults, **self.defaults}
-        self.w_old = {}      # param -> w, saved while the model sits at w + eps_hat
-        self.moved = None    # the params first_step moved; None: no SAM step in progress
+        self.w_old = {}        # param -> buffer holding w while the model sits at w + eps_hat
+        self.moved = None      # the params first_step moved; None: no SAM step in progress
+        self.set_aside = None  # m-sharpness: param -> sum of g_sam over the groups done so far
 
     def add_param_group(self, param_group):
         if not hasattr(self, 'base_optimizer'):  # during Optimizer.__init__
@@ -91,27 +117,62 @@ class SAM(torch.optim.Optimizer):
     @torch.no_grad()
     def first_step(self, zero_grad=False):
         """w <- w + eps_hat. On an inf/nan gradient (fp16 overflow) w stays and the gradients are
-        kept even with zero_grad=True, so that GradScaler sees the overflow and skips the step."""
+        kept even with zero_grad=True, so that GradScaler sees the overflow and skips the step.
+        zero_grad=True therefore leaves .grad = 0 (not None): the choice is made on the device.
+        After next_group(), the g_sam set aside is then added back onto .grad."""
         if self.moved is not None:
             raise RuntimeError('SAM.first_step() was called twice: finish the step with '
-                               'second_step() (or scaler.step(optimizer)) before the next one')
-        todo = []  # (group, param, T or None); the norm runs over T*g (ASAM) or g, all groups
+                               'second_step() (or scaler.step(optimizer)), or call next_group() '
+                               'between two m-sharpness groups')
+        buckets = {}  # foreach kernels want one device and dtype per list
         for group in self.param_groups:
             for p in group['params']:
                 if p.grad is not None:
-                    todo.append((group, p, p.abs() + group['eta'] if group['adaptive'] else None))
-        norm = torch.nn.utils.get_total_norm([p.grad if t is None else t * p.grad for _, p, t in todo])
-        norm = norm.item()  # one host sync per step; inf/nan propagate
+                    buckets.setdefault((id(group), p.device, p.dtype), (group, []))[1].append(p)
+        todo = []  # (group, params, grads, T or None, T*g or g); the norm runs over all groups
+        for group, ps in buckets.values():
+            gs = [p.grad for p in ps]
+            t = torch._foreach_add(torch._foreach_abs(ps), group['eta']) if group['adaptive'] else None
+            todo.append((group, ps, gs, t, gs if t is None else torch._foreach_mul(t, gs)))
+        norm = torch.nn.utils.get_total_norm([x for *_, tg in todo for x in tg])
+        finite = norm.isfinite()  # a 0-dim tensor: no host sync, the CPU keeps queueing
         self.moved = []
-        if not math.isfinite(norm):
-            return
-        for group, p, t in todo:
-            self.w_old[p] = p.detach().clone()  # exact restore, no arithmetic undo
-            direction = p.grad if t is None else t * t * p.grad  # g, or T^2 g for ASAM
-            p.add_(direction, alpha=group['rho'] / (norm + 1e-12))  # 1e-12 only guards g = 0
-            self.moved.append(p)
-        if zero_grad:
-            self.zero_grad(set_to_none=True)
+        for group, ps, gs, t, tg in todo:
+            scale = torch.where(finite, group['rho'] / (norm + 1e-12), 0.0)  # 1e-12 guards g = 0
+            if t is not None:
+                torch._foreach_mul_(t, tg)  # T^2 g (ASAM), in place of T
+            # rho g/||g|| (ASAM: rho T^2 g/||T g||) in one flat buffer, so that on an overflow,
+            # where 0 * inf = nan, ONE nan_to_num makes the move exactly 0 and w stays w
+            step = torch.cat([x.reshape(-1) for x in (gs if t is None else t)])
+            step.mul_(scale.to(step.device)).nan_to_num_(0.0, 0.0, 0.0)
+            for p in ps:
+                if p not in self.w_old:
+                    self.w_old[p] = torch.empty_like(p)
+            torch._foreach_copy_([self.w_old[p] for p in ps], ps)  # exact restore, no arithmetic undo
+            moves = step.split([p.numel() for p in ps])
+            torch._foreach_add_(ps, [d.view_as(p) for d, p in zip(moves, ps)])
+            if zero_grad:  # x 0 if finite (clean for the second pass), x 1 keeps an overflow
+                torch._foreach_mul_(gs, (~finite).to(device=gs[0].device, dtype=gs[0].dtype))
+            self.moved += ps
+        if self.set_aside is not None:  # m-sharpness: the earlier groups' g_sam, back onto .grad
+            back = [p for p in self.set_aside if p.grad is not None]
+            torch._foreach_add_([p.grad for p in back], [self.set_aside[p] for p in back])
+            for p, g in self.set_aside.items():
+                if p.grad is None:
+                    p.grad = g
+            self.set_aside = None
+
+    @torch.no_grad()
+    def next_group(self):
+        """m-sharpness, between two groups: w <- w_old exactly, and .grad (the g_sam summed over the
+        groups so far) is set aside, so that the next group's first pass gives its own clean
+        gradient; its first_step puts the sum back."""
+        self.restore()
+        self.set_aside = {}
+        for group in self.param_groups:
+            for p in group['params']:
+                if p.grad is not None:
+                    self.set_aside[p], p.grad = p.grad, None
 
     def second_step(self, zero_grad=False):
         """w <- w_old (bit-exact), then the base optimizer's step with the current gradient g_sam."""
@@ -134,7 +195,7 @@ class SAM(torch.optim.Optimizer):
         with torch.no_grad():
             self.restore()
             found_inf = getattr(self, 'found_inf', None)  # set only by an enabled GradScaler
-            if found_inf is not None and found_inf.item() > 0:
+            if found_inf is not None and found_inf.item() > 0:  # its one host sync (fp16 only)
                 return None  # GradScaler lowers the scale; w is exactly as before the SAM step
             grad_scale = getattr(self, 'grad_scale', None)
             if grad_scale is not None:  # scaler.unscale_ was not called: unscale as it would
@@ -147,12 +208,15 @@ class SAM(torch.optim.Optimizer):
         return None
 
     def restore(self):
+        if self.set_aside is not None:
+            raise RuntimeError('SAM.next_group() set the SAM gradient aside for a next group: call '
+                               'it between groups only, not after the last one')
         if self.moved is None:
             raise RuntimeError('SAM.second_step() / step() without a closure finishes a SAM step: '
                                'call first_step() after the first backward pass, or pass a closure '
                                'to step()')
-        for p in self.moved:
-            p.copy_(self.w_old[p])
+        if self.moved:
+            torch._foreach_copy_(self.moved, [self.w_old[p] for p in self.moved])
         self.moved = None
 
     def state_dict(self):
@@ -178,16 +242,18 @@ def first_pass(model):
 
 
 @contextlib.contextmanager
-def second_pass(model):
+def second_pass(model, sync=True):
     """Context for the second forward + backward: train-mode BatchNorm layers still normalise with
     the batch statistics, but running_mean/var and num_batches_tracked are not updated, so they
-    come from the clean first pass only."""
+    come from the clean first pass only. sync=False (every m-sharpness group but the last) adds
+    DDP's no_sync, so that the summed g_sam is all-reduced once, on the last group's backward."""
     frozen = [m for m in model.modules()
               if isinstance(m, BATCHNORMS) and m.training and m.track_running_stats]
     for m in frozen:
         m.track_running_stats = False
     try:
-        yield
+        with contextlib.nullcontext() if sync else first_pass(model):
+            yield
     finally:
         for m in frozen:
             m.track_running_stats = True

@@ -593,3 +593,320 @@ def test_lr_scheduler_sees_second_step_and_warns_nothing():
             opt.second_step(zero_grad=True)
             sched.step()
     assert opt.param_groups[0]['lr'] == 0.1 * 0.5 ** 2
+
+
+# -----------------------------------------------------------------------------
+# m-sharpness (Foret et al. Sec. 4.1): groups of m images, each with its own eps_hat
+def _bn_mlp(seed):
+    """Tiny model with BatchNorm: each group (or each DDP rank) normalises with its own statistics."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 3))
+
+
+def _sam_group_step(model, opt, groups, scaler=None, micro=1, clip=None, plant=None):
+    """One m-sharpness SAM step exactly as in the sam.py docstring loop: k = len(groups) groups,
+    each cut into `micro` micro-batches; plant=j puts an inf into group j's first gradient."""
+    k = len(groups)
+    scaler = scaler or torch.amp.GradScaler('cpu', enabled=False)
+    for j, (x, y) in enumerate(groups):
+        parts = list(zip(x.chunk(micro), y.chunk(micro)))
+        with first_pass(model):
+            for xb, yb in parts:
+                scaler.scale(F.cross_entropy(model(xb), yb) / micro).backward()
+        if plant == j:
+            next(model.parameters()).grad.view(-1)[0] = float('inf')
+        opt.first_step(zero_grad=True)
+        with second_pass(model, sync=j == k - 1):
+            for i, (xb, yb) in enumerate(parts):
+                last = (j == k - 1 and i == micro - 1) or not hasattr(model, 'no_sync')
+                with contextlib.nullcontext() if last else model.no_sync():
+                    scaler.scale(F.cross_entropy(model(xb), yb) / (k * micro)).backward()
+        if j < k - 1:
+            opt.next_group()
+    scaler.unscale_(opt)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+M, M_STEPS = 4, 3  # group size, steps
+M_KW = dict(rho=0.2, lr=0.1, momentum=0.9)
+M_CONFIGS = [  # (model, dtype, groups per rank) for a 2-rank DDP run
+    ('mlp', torch.float32, 1), ('bn', torch.float32, 1), ('mlp', F64, 1), ('bn', F64, 1),
+    ('mlp', torch.float32, 2), ('bn', F64, 2)]
+
+
+def _m_model(name, dtype):
+    return (_mlp if name == 'mlp' else _bn_mlp)(0).to(dtype)
+
+
+def _m_batch(step, n, dtype):
+    x, y = _data(300 + step, n)
+    return x.to(dtype), y
+
+
+def _m_single_process(name, dtype, k, m=M):
+    """The reference run: one process, batch k*m, m-sharpness with k groups of m."""
+    model = _m_model(name, dtype)
+    opt = SAM(model.parameters(), torch.optim.SGD, **M_KW)
+    for step in range(M_STEPS):
+        x, y = _m_batch(step, k * m, dtype)
+        _sam_group_step(model, opt, list(zip(x.split(m), y.split(m))))
+    return _params(model)
+
+
+def _ddp_groups_worker(rank, world, port, out):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
+                            world_size=world)
+    try:
+        res = []
+        for name, dtype, g in M_CONFIGS:
+            model = _m_model(name, dtype)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            calls = []
+
+            def hook(state, bucket):  # count the all-reduces of the SAM gradient
+                calls.append(1)
+                return allreduce_hook(state, bucket)
+
+            ddp.register_comm_hook(None, hook)
+            opt = SAM(ddp.parameters(), torch.optim.SGD, **M_KW)
+            per = g * M
+            for step in range(M_STEPS):
+                x, y = _m_batch(step, world * per, dtype)
+                xr, yr = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+                if g == 1:  # m = the per-device batch: the plain loop, each rank its own eps_hat
+                    _sam_step(ddp, opt, [(xr, yr)])
+                else:
+                    _sam_group_step(ddp, opt, list(zip(xr.split(M), yr.split(M))))
+            res.append({'final': _params(model), 'allreduces': len(calls)})
+        torch.save(res, os.path.join(out, f'rank{rank}.pt'))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_m_sharpness_one_process_equals_ddp_ranks(tmp_path):
+    """One process with k groups of m images == k/g DDP ranks each with g groups of m (g = 1: the
+    plain loop), with and without BatchNorm, fp32 and fp64; one all-reduce per step."""
+    world = 2
+    mp.spawn(_ddp_groups_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    res = [torch.load(tmp_path / f'rank{r}.pt') for r in range(world)]
+    for i, (name, dtype, g) in enumerate(M_CONFIGS):
+        single = _m_single_process(name, dtype, world * g)
+        tol = 1e-6 if dtype == torch.float32 else 1e-12
+        for a, b, c in zip(res[0][i]['final'], res[1][i]['final'], single):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, c, rtol=0, atol=tol)
+        assert res[0][i]['allreduces'] == res[1][i]['allreduces'] == M_STEPS, (name, g)
+
+
+@pytest.mark.parametrize('name,dtype', [('mlp', torch.float32), ('bn', torch.float32), ('mlp', F64)])
+def test_m_sharpness_differs_from_whole_batch(name, dtype):
+    """So that the test above cannot pass trivially: groups of m move w far from one eps_hat for
+    the whole batch of 2m (and from a plain step)."""
+    w0 = _params(_m_model(name, dtype))
+    groups = _m_single_process(name, dtype, 2)
+    whole = _m_single_process(name, dtype, 1, m=2 * M)
+    assert (_flat(groups) - _flat(whole)).abs().max() > 1e-3
+    assert _update_rel_err(w0, groups, whole) > 0.01
+
+
+@pytest.mark.parametrize('clip', [None, 0.05], ids=['noclip', 'clip'])
+@pytest.mark.parametrize('adaptive', [False, True], ids=['sam', 'asam'])
+def test_m_sharpness_two_groups_by_hand(adaptive, clip):
+    """fp64, two groups, plain SGD: each group perturbs with its OWN clean gradient, the two SAM
+    gradients are averaged, clipping (if any) clips the average; written out with autograd.grad."""
+    rho, eta, lr = 0.3, 0.01, 0.5
+    x, y = _data(7, 10)
+    groups = list(zip(x.double().split(5), y.split(5)))
+    model = _mlp(0).double()
+    oracle = copy.deepcopy(model)
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=rho, adaptive=adaptive, eta=eta, lr=lr)
+    _sam_group_step(model, opt, groups, clip=clip)
+
+    params = list(oracle.parameters())
+    w = _params(oracle)
+    g_avg = [torch.zeros_like(p) for p in params]
+    for xg, yg in groups:
+        g = _grads_at(oracle, params, xg, yg)
+        t = [wi.abs() + eta if adaptive else torch.ones_like(wi) for wi in w]
+        norm = torch.linalg.vector_norm(_flat([ti * gi for ti, gi in zip(t, g)]))
+        with torch.no_grad():
+            for p, wi, ti, gi in zip(params, w, t, g):
+                p.copy_(wi + rho * ti ** 2 * gi / norm)
+        for ga, gs in zip(g_avg, _grads_at(oracle, params, xg, yg)):
+            ga += gs / 2
+        with torch.no_grad():
+            for p, wi in zip(params, w):
+                p.copy_(wi)
+    c = 1.0
+    if clip is not None:
+        g_norm = torch.linalg.vector_norm(_flat(g_avg))
+        assert g_norm > 2 * clip
+        c = clip / (g_norm + 1e-6)
+    for p, wi, ga in zip(model.parameters(), w, g_avg):
+        torch.testing.assert_close(p.detach(), wi - lr * c * ga, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize('micro', [1, 3])
+@pytest.mark.parametrize('base,kw', [
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05)),
+], ids=['sgd', 'adamw'])
+def test_one_group_is_the_plain_step_bit_for_bit(base, kw, micro):
+    """k = 1 (m = the whole batch) through the group loop == the plain loop: torch.equal on the
+    weights and the optimizer state, with an enabled GradScaler and micro-batch accumulation."""
+    runs = []
+    for grouped in (False, True):
+        m = _bn_mlp(0)
+        opt = SAM(m.parameters(), base, rho=0.2, adaptive=True, **kw)
+        scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+        for step in range(3):
+            x, y = _data(step, 12)
+            if grouped:
+                _sam_group_step(m, opt, [(x, y)], scaler=scaler, micro=micro)
+            else:
+                _sam_step(m, opt, list(zip(x.chunk(micro), y.chunk(micro))), scaler=scaler)
+        runs.append((m, opt))
+    (m1, o1), (m2, o2) = runs
+    for a, b in zip(m1.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    s1, s2 = o1.state_dict()['state'], o2.state_dict()['state']
+    assert s1.keys() == s2.keys() and len(s1) > 0
+    for i in s1:
+        for key in s1[i]:
+            assert torch.equal(torch.as_tensor(s1[i][key]), torch.as_tensor(s2[i][key]))
+
+
+def test_m_sharpness_micro_batches_inside_groups():
+    """Accumulating each group over 3 micro-batches == each group in one pass (LayerNorm model)."""
+    runs = []
+    for micro in (1, 3):
+        m = _mlp(0)
+        opt = SAM(m.parameters(), torch.optim.SGD, **M_KW)
+        for step in range(2):
+            x, y = _data(step, 18)
+            _sam_group_step(m, opt, list(zip(x.split(9), y.split(9))), micro=micro)
+        runs.append(_params(m))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('bad', [0, 1, 2])
+def test_m_sharpness_overflow_in_one_group_skips_the_step(bad):
+    """An inf in group `bad`'s first gradient: that group does not move w (exactly), its gradient
+    is kept in the sum, GradScaler skips the whole step, w is unchanged, and training goes on."""
+    m = _mlp(0)
+    opt = SAM(m.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+    x, y = _data(0, 12)
+    groups = list(zip(x.split(4), y.split(4)))
+    w0 = _params(m)
+    moved = []
+    first_step = opt.first_step
+
+    def spy(zero_grad=False):
+        first_step(zero_grad)
+        moved.append(not all(torch.equal(p, q) for p, q in zip(m.parameters(), w0)))
+    opt.first_step = spy
+    _sam_group_step(m, opt, groups, scaler=scaler, plant=bad)
+    assert moved == [j != bad for j in range(3)]
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), w0))
+    assert len(opt.base_optimizer.state) == 0  # AdamW never stepped
+    assert scaler.get_scale() == 2.0 ** 7
+    _sam_group_step(m, opt, groups, scaler=scaler)
+    assert not all(torch.equal(p, q) for p, q in zip(m.parameters(), w0))
+    assert all(float(s['step']) == 1 for s in opt.base_optimizer.state.values())
+
+
+def test_m_sharpness_batchnorm_statistics_from_clean_passes():
+    """With groups, the running statistics are those of the groups' clean forwards at w, in turn."""
+    torch.manual_seed(0)
+    model = convmixer.ConvMixer(dim=16, depth=1, kernel_size=3, patch_size=2, num_classes=10)
+    clean = copy.deepcopy(model)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    groups = list(zip(x.split(4), y.split(4)))
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1)
+    _sam_group_step(model, opt, groups)
+    with torch.no_grad():
+        for xg, _ in groups:
+            clean(xg)
+    for (name, a), (_, b) in zip(model.named_buffers(), clean.named_buffers()):
+        assert torch.equal(a, b), name
+
+
+def test_m_sharpness_misuse_fails_loudly():
+    m = _mlp(0)
+    opt = SAM(m.parameters(), torch.optim.SGD, lr=0.1)
+    x, y = _data(0, 8)
+    with pytest.raises(RuntimeError, match='first_step'):
+        opt.next_group()
+    F.cross_entropy(m(x), y).backward()
+    opt.first_step(zero_grad=True)
+    with pytest.raises(RuntimeError, match='next_group'):
+        opt.first_step()
+    F.cross_entropy(m(x), y).backward()
+    opt.next_group()
+    with pytest.raises(RuntimeError, match='not after the last'):
+        opt.step()
+
+
+# -----------------------------------------------------------------------------
+# no host sync in a SAM step without an enabled GradScaler
+@contextlib.contextmanager
+def _count_host_syncs():
+    """Counts the Tensor methods that copy a value to the host (each a device sync on a GPU)."""
+    calls = []
+    names = ('item', 'tolist', '__bool__', '__float__', '__int__', '__index__', 'cpu', 'numpy')
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+
+    def counted(name, f):
+        def wrapper(self, *args, **kwargs):
+            calls.append(name)
+            return f(self, *args, **kwargs)
+        return wrapper
+
+    for n, f in originals.items():
+        setattr(torch.Tensor, n, counted(n, f))
+    try:
+        yield calls
+    finally:
+        for n, f in originals.items():
+            setattr(torch.Tensor, n, f)
+
+
+@pytest.mark.parametrize('k', [1, 2], ids=['plain', 'groups'])
+@pytest.mark.parametrize('scaler', ['none', 'disabled', 'enabled'])
+@pytest.mark.parametrize('adaptive', [False, True], ids=['sam', 'asam'])
+def test_no_host_sync_in_the_sam_step(adaptive, scaler, k):
+    """first_step, the second pass and the step read nothing back to the host; an enabled
+    GradScaler (fp16) costs one read of found_inf, as GradScaler's own step does. SGD as the
+    base: AdamW reads its step counter, a CPU tensor (no device sync, but counted here)."""
+    m = _bn_mlp(0)
+    opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, adaptive=adaptive, lr=0.1, momentum=0.9)
+    gs = None if scaler == 'none' else torch.amp.GradScaler('cpu', enabled=scaler == 'enabled')
+    x, y = _data(0, 8)
+    w0 = _params(m)
+    for j, (xg, yg) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        loss = F.cross_entropy(m(xg), yg)
+        (loss if gs is None else gs.scale(loss)).backward()
+        with _count_host_syncs() as calls:
+            opt.first_step(zero_grad=True)
+            with second_pass(m) if j == k - 1 else second_pass(m, sync=False):
+                loss = F.cross_entropy(m(xg), yg) / k
+                (loss if gs is None else gs.scale(loss)).backward()
+            if j < k - 1:
+                opt.next_group()
+        assert calls == []
+    with _count_host_syncs() as calls:
+        if gs is None:
+            opt.second_step(zero_grad=True)
+        else:
+            gs.step(opt)
+    assert calls == (['item'] if scaler == 'enabled' else [])
+    assert not all(torch.equal(p, q) for p, q in zip(m.parameters(), w0))  # it did step
