@@ -35,10 +35,11 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 import convmixer
 import mixer
 import vit
+import figures
 from augment import normalize
 from data import LAYOUT, MEAN, STD, balanced_subset, eval_transform, evaluate, load_cifar, resize
 from models import build_model, load_model, load_weights, parse_model_kw
-from utils import UserError, fmt_time, pyplot, save_atomic
+from utils import UserError, fmt_time, progress_printer, save_atomic
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 
@@ -416,7 +417,7 @@ def get_args(argv=None):
     t.add_argument('--train-subset', type=int, default=10_000, help='class-balanced training images')
     t.add_argument('--hessian-n', type=int, default=2000, help='training images for lambda_max (and active neurons)')
     t.add_argument('--ntk-n', type=int, default=50, help='training images for kappa')
-    t.add_argument('--corruption-n', type=int, default=500, help='test images for robustness.corruption_accuracy '
+    t.add_argument('--corruption-n', type=int, default=500, help='test images for robustness.py --benchmark corrupt '
                    '(19 corruptions x 5 severities); 0 = leave the column out')
     t.add_argument('--jobs', type=int, default=2, help='training runs at a time, one thread each')
     args = p.parse_args(argv)
@@ -434,28 +435,12 @@ def get_args(argv=None):
     return args
 
 
-def progress_printer(prefix, every=10.0):
-    """A progress callable printing at most one line per `every` seconds (none for short measurements)."""
-    last = [time.time()]
-
-    def log(msg):
-        if time.time() - last[0] >= every:
-            print(f'  {prefix} | {msg}', flush=True)
-            last[0] = time.time()
-    return log
-
-
 def write_json(path, obj):
     """Atomically (utils.save_atomic); inf / nan are written as null."""
     clean = lambda v: ({k: clean(u) for k, u in v.items()} if isinstance(v, dict) else  # noqa: E731
                        [clean(u) for u in v] if isinstance(v, (list, tuple)) else
                        None if isinstance(v, float) and not math.isfinite(v) else v)
     save_atomic(path, clean(obj))
-
-
-def save_figure(fig, path):
-    save_atomic(path, lambda f: fig.savefig(f, format='png', dpi=110, bbox_inches='tight'))
-    pyplot().close(fig)
 
 
 def get_model(args):
@@ -505,7 +490,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     print(f"geometry.py {args.command} | {args.model} ({args.checkpoint or f'init, seed {args.seed}'}) | "
           f'{len(x):,} {args.split} images | {EVAL_NOTE}', flush=True)
-    start, log, plt = time.time(), progress_printer(args.command), None
+    start, log = time.time(), progress_printer(args.command)
     if args.command == 'hessian':
         info['lambda_max'] = hessian_eigenvalue(model, F.cross_entropy, batches, None, args.iters, args.tol,
                                                 args.seed, progress=log)
@@ -532,19 +517,7 @@ def main(argv=None):
         info.update(dims=args.dims, coords=coords.tolist(), loss=losses.tolist(), note='filter-normalised Gaussian '
                     "directions (Li et al. 2018), 1-D parameters not moved (ignore='biasbn')")
         print(f'  loss at the origin {losses[(args.steps // 2,) * args.dims]:.4f}, largest {losses.max():.4f}')
-        plt = pyplot()
-        if args.dims == 1:
-            fig, ax = plt.subplots(figsize=(4, 3))
-            ax.plot(coords.numpy(), losses.numpy())
-            ax.set(xlabel='alpha', ylabel='training loss', title=args.model)
-            save_figure(fig, os.path.join(args.out, 'landscape_curve.png'))
-        else:
-            fig, ax = plt.subplots(figsize=(4, 3.5))
-            # losses[a, b]: a along x
-            ax.clabel(ax.contour(coords.numpy(), coords.numpy(), losses.T.numpy(), levels=20), fontsize=6)
-            ax.set(xlabel='direction 1', ylabel='direction 2', title=f'{args.model}: training loss')
-            save_figure(fig, os.path.join(args.out, 'landscape_contour.png'))
-            save_figure(surface_figure([(args.model, coords, losses)]), os.path.join(args.out, 'landscape_surface.png'))
+        figures.landscape(args.model, coords, losses, args.out)
     elif args.command == 'flatness':
         info['results'] = []
         for sigma in args.sigma:
@@ -559,45 +532,12 @@ def main(argv=None):
         dist, k = attention_distance(model, x), min(args.images, len(x))
         info.update(distance_px=dist.tolist(), note='mean attention distance (ViT App. D.7), px, [layer][head]')
         print('  mean attention distance per layer (px): ' + ' '.join(f'{d:.1f}' for d in dist.mean(1).tolist()))
-        save_figure(distance_figure([(args.model, dist)], x.shape[-1]),
-                    os.path.join(args.out, 'attention_distance.png'))
-        plt = pyplot()
-        fig, axes = plt.subplots(k, 3, figsize=(6, 2 * k), squeeze=False)
-        last = attention_maps(model, x[:k])[-1].mean(dim=1)
-        for i, maps in enumerate(zip([None] * k, last, attention_rollout(model, x[:k]))):
-            for j, (title, m) in enumerate(zip(('image', 'class token, last layer', 'rollout'), maps)):
-                axes[i, j].imshow(shown[i].permute(1, 2, 0).numpy())
-                if m is not None:  # the patch grid upsampled onto the image
-                    up = F.interpolate(m[None, None], size=shown.shape[-2:], mode='nearest')[0, 0]
-                    axes[i, j].imshow((up / up.max()).numpy(), cmap='jet', alpha=0.5)
-                axes[i, j].set_axis_off()
-                axes[i, j].set_title(title if i == 0 else '', fontsize=8)
-        save_figure(fig, os.path.join(args.out, 'attention_maps.png'))
+        figures.save_figure(figures.attention_distances([(args.model, dist)], x.shape[-1]),
+                            os.path.join(args.out, 'attention_distance.png'))
+        figures.attention_maps(shown[:k], attention_maps(model, x[:k])[-1].mean(dim=1),
+                               attention_rollout(model, x[:k]), os.path.join(args.out, 'attention_maps.png'))
     write_json(path, info)
     print(f'  wrote {path} ({fmt_time(time.time() - start)} wall)')
-
-
-def surface_figure(panels):
-    """3-D surfaces side by side, one per (title, coords, losses), on one z scale (paper Fig. 1)."""
-    plt = pyplot()
-    fig, top = plt.figure(figsize=(4.2 * len(panels), 3.6)), max(l.max().item() for _, _, l in panels)
-    for i, (title, coords, losses) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), i + 1, projection='3d')
-        a, b = torch.meshgrid(coords, coords, indexing='ij')
-        ax.plot_surface(a.numpy(), b.numpy(), losses.numpy(), cmap='viridis', linewidth=0)
-        ax.set(zlim=(0, top), title=title, zlabel='training loss')
-    return fig
-
-
-def distance_figure(panels, img_size):
-    """Mean attention distance of every head against depth (ViT paper Fig. 7), one panel per (title, dist)."""
-    fig, axes = pyplot().subplots(1, len(panels), figsize=(3.6 * len(panels), 3), squeeze=False, sharey=True)
-    for ax, (title, dist) in zip(axes[0], panels):
-        layers = torch.arange(1, dist.shape[0] + 1)[:, None].expand_as(dist)
-        ax.scatter(layers.flatten().numpy(), dist.flatten().numpy(), s=12)
-        ax.set(xlabel='network depth (layer)', title=title, ylim=(0, img_size), xticks=layers[:, 0].tolist())
-    axes[0, 0].set_ylabel('mean attention distance (px)')
-    return fig
 
 
 # ============================================================================= Table 1 in miniature
@@ -646,7 +586,8 @@ def train_run(args, run, want):
                             'another --out')
         if torch.load(last, map_location='cpu', weights_only=True)['epoch'] >= want['epochs']:
             return print(f'  {run}: finished run in {folder}, reused', flush=True)
-    argv = ['--data', args.data, *train_flags(want), *(['--resume', last] if os.path.exists(last) else ['--out', folder])]
+    argv = ['--data', args.data, *train_flags(want), *(['--resume', last] if os.path.exists(last) else
+                                                        ['--out', folder])]
     print(f'  {run}: train_cifar.py {" ".join(map(str, argv))}', flush=True)
     script('train_cifar.py', argv, log)
     with open(log) as f:
@@ -749,10 +690,10 @@ def table1(args):
     # --- 3. figures (ViT with and without SAM) and the table
     vits = [(t, next(r for r in rows if r['run'] == run)) for t, run in (('ViT', 'vit_adamw'),
                                                                           ('ViT + SAM', 'vit_sam'))]
-    save_figure(surface_figure([(t, *(torch.tensor(r['landscape'][k]) for k in ('coords', 'loss'))) for t, r in vits]),
-                os.path.join(args.out, 'landscape_vit.png'))
-    save_figure(distance_figure([(t, torch.tensor(r['attention_distance_px'])) for t, r in vits], 32),
-                os.path.join(args.out, 'attention_distance_vit.png'))
+    figures.save_figure(figures.surfaces([(t, *(torch.tensor(r['landscape'][k]) for k in ('coords', 'loss')))
+                                          for t, r in vits]), os.path.join(args.out, 'landscape_vit.png'))
+    figures.save_figure(figures.attention_distances([(t, torch.tensor(r['attention_distance_px'])) for t, r in vits],
+                                                    32), os.path.join(args.out, 'attention_distance_vit.png'))
     corrupt = any('corruption_acc' in r for r in rows)
     lines = ['| model | params | NTK kappa (trace) | NTK kappa (sum) | Hessian lambda_max | train error % | test acc % '
              '| active first % | active last %' + ' | corrupted acc % | gap (pts)' * corrupt + ' |',

@@ -39,11 +39,12 @@ import torch
 import torch.distributed as dist
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, make_dataset
 
+import figures
 from augment import normalize
 from data import MEAN, MEANS, NUM_CLASSES, STD, eval_transform, folder_batches, folder_samples, load_cifar
 from models import load_model
 from pgd import fgsm, pgd
-from utils import EXTRAS, UserError, epoch_seed, fmt_time, init_group, leave, pyplot, save_atomic, setup, stored_args
+from utils import EXTRAS, UserError, epoch_seed, fmt_time, init_group, leave, save_atomic, setup, stored_args
 
 # The benchmark's constants (Hendrycks & Dietterich 2019, Sec. 3 and Fig. 1).
 GROUPS = {'noise': ['gaussian_noise', 'shot_noise', 'impulse_noise'],
@@ -419,23 +420,6 @@ def csv_text(r):
     return f.getvalue()
 
 
-def heatmap(r, path):
-    plt = pyplot(PLOT_HINT)
-    sev, grid = list(next(iter(r['acc'].values()))), np.array([list(per.values()) for per in r['acc'].values()])
-    fig, ax = plt.subplots(figsize=(1.1 * len(sev) + 3.5, 0.32 * len(grid) + 1.6))
-    im = ax.imshow(grid, cmap='viridis', vmin=0, vmax=100, aspect='auto')
-    for (i, j), a in np.ndenumerate(grid):
-        ax.text(j, i, f'{a:.1f}', ha='center', va='center', fontsize=7, color='w' if a < 60 else 'k')
-    ax.set_xticks(range(len(sev)), [f'severity {s}' for s in sev], fontsize=8)
-    ax.set_yticks(range(len(grid)), list(r['acc']), fontsize=8)
-    ax.set_title(f'{r["model"]}, {r["benchmark"]} on {r["dataset"]}: mean {r["mean_acc"]:.1f}%, '
-                 f'clean {r["clean"]["acc"]:.1f}%', fontsize=9)
-    fig.colorbar(im, ax=ax, label='top-1 accuracy (%)')
-    fig.tight_layout()
-    save_atomic(path, lambda f: fig.savefig(f, format='png', dpi=120))
-    plt.close(fig)
-
-
 def compare(argv):
     """robustness.py compare A.json B.json ... --out chart.png: bars per corruption, the mean and clean."""
     p = argparse.ArgumentParser(prog='robustness.py compare', description=compare.__doc__)
@@ -454,19 +438,8 @@ def compare(argv):
             raise UserError(f'cannot read {path}: {e}')
         if 'corruption_mean' not in runs[-1]:
             raise UserError(f'{path} holds no corruption figures (from a --benchmark run of robustness.py)')
-    plt = pyplot(PLOT_HINT)
-    keys = [c for c in runs[0]['corruption_mean'] if all(c in r['corruption_mean'] for r in runs)]
-    fig, ax = plt.subplots(figsize=(0.3 * (len(keys) + 2) * len(runs) + 2.5, 4))
-    for j, (r, label) in enumerate(zip(runs, args.labels or [f'{r["model"]} ({r["checkpoint"]})' for r in runs])):
-        values = [r['corruption_mean'][c] for c in keys] + [r['mean_acc'], r['clean']['acc']]
-        width = 0.8 / len(runs)
-        ax.bar(np.arange(len(values)) + (j - (len(runs) - 1) / 2) * width, values, width, label=label)
-    ax.set_xticks(range(len(keys) + 2), keys + ['mean', 'clean'], rotation=60, ha='right', fontsize=8)
-    ax.set(ylabel='top-1 accuracy (%), mean over severities', title=runs[0]['benchmark'])
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_atomic(args.out, lambda f: fig.savefig(f, format='png', dpi=120))
-    plt.close(fig)
+    labels = args.labels or [f'{r["model"]} ({r["checkpoint"]})' for r in runs]
+    figures.corruption_bars(runs, labels, runs[0]['benchmark'], args.out, PLOT_HINT)
     print(f'wrote {args.out}')
 
 
@@ -490,7 +463,7 @@ def main(argv=None):
     except OSError as e:
         raise UserError(f'--out {args.out} is not writable: {e.strerror or e}')
     if args.benchmark and not args.no_plot:
-        pyplot(PLOT_HINT)
+        figures.pyplot(PLOT_HINT)
     if args.benchmark == 'corrupt':
         corruption_package()
     if not os.path.isfile(args.checkpoint):
@@ -586,7 +559,7 @@ def main(argv=None):
         save_atomic(out_json, r)
         save_atomic(os.path.join(args.out, 'results.csv'), lambda f: f.write(csv_text(r).encode()))
         if 'acc' in r and not args.no_plot:
-            heatmap(r, os.path.join(args.out, 'heatmap.png'))
+            figures.heatmap(r, os.path.join(args.out, 'heatmap.png'), PLOT_HINT)
         print(f'done | {name} | {r["benchmark"]} | {fmt_time(r["wall_s"])} wall | {args.out}')
     leave(world > 1)  # (a barrier first: rank 0 may still be writing)
     return r

@@ -184,16 +184,6 @@ def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
 
 # -----------------------------------------------------------------------------
 # Model: MoCo v3 (Chen, Xie & He 2021, Sec. 3, Alg. 1) around vit.py's VisionTransformer.
-def sincos_pos_embed(grid, dim, prefix):
-    """vits.py build_2d_sincos_position_embedding: [sin, cos](row * w), [sin, cos](col * w) with
-    w = 1 / 10000^(i / (dim/4)); zeros for the class token. (1, prefix + h*w, dim)."""
-    rows, cols = torch.meshgrid(torch.arange(grid[0], dtype=torch.float32),
-                                torch.arange(grid[1], dtype=torch.float32), indexing='ij')
-    omega = 1.0 / 10000.0 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
-    a, b = rows.flatten()[:, None] * omega, cols.flatten()[:, None] * omega
-    return torch.cat([torch.zeros(prefix, dim), torch.cat([a.sin(), a.cos(), b.sin(), b.cos()], 1)])[None]
-
-
 def build_backbone(args):
     """The ViT without a head (forward gives the head's input: the feature), built as train_cifar.py builds it
     (models.build_model), so that it has the geometry of the model it fine-tunes (patch p/4 at 32 px)."""
@@ -204,7 +194,7 @@ def build_backbone(args):
     if args.pos_embed == 'sincos':
         if dim % 4:
             raise UserError(f'--pos-embed sincos needs a width divisible by 4, got dim={dim}')
-        model.pos_embed.data.copy_(sincos_pos_embed(model.grid, dim, model.num_prefix_tokens))
+        model.pos_embed.data.copy_(vit.sincos_pos_embed(model.grid, dim, model.num_prefix_tokens))
         model.pos_embed.requires_grad_(False)
     if args.freeze_patch_embed:  # Sec. 4.2: a fixed random patch projection stabilises training
         model.patch_embed.requires_grad_(False)
@@ -433,6 +423,23 @@ def save_run(out_dir, moco, backbone, opt, scaler, epoch, step, history, run_arg
     save_atomic(out_dir / 'args.json', run_args)
 
 
+def epoch_order(args, data, gen, steps, B, b, rank):
+    """This epoch's order of the training images, one permutation for every rank (rank r takes its slice of each
+    global batch of B), on the device; ImageNet: also the loader that reads this rank's images in that order."""
+    perm = torch.randperm(len(data['train_y']), generator=torch.Generator().manual_seed(gen.initial_seed()))
+    batches = [perm[i * B + rank * b:i * B + (rank + 1) * b].tolist() for i in range(steps)]
+    loader = None if args.dataset != 'imagenet' else iter(torch.utils.data.DataLoader(
+        data['train'], batch_sampler=batches, num_workers=args.workers, pin_memory=gen.device.type == 'cuda'))
+    return perm.to(gen.device), loader
+
+
+def done_line(args, history, t_start, last):
+    accs = {p: [r['top1'] for r in history if r['kind'] == 'eval' and r['protocol'] == p] for p in args.eval}
+    return (f'done | {args.model} on {args.dataset} | epoch {args.epochs}/{args.epochs} | '
+            + ' | '.join(f'{p} acc {a[-1]:.2f}% (best {max(a):.2f}%)' for p, a in accs.items() if a)
+            + f' | {fmt_time(time.time() - t_start)} wall | {last}')
+
+
 def main(argv=None):
     args, t_start = get_args(argv), time.time()
     proc = setup(args.amp)  # rank, device (cuda:LOCAL_RANK when there is a GPU), autocast
@@ -480,11 +487,8 @@ def main(argv=None):
             # order and views are the same on every rank (rank r takes its slice); dropout differs per rank.
             torch.manual_seed(epoch_seed(args.seed, epoch, rank))
             gen.manual_seed(epoch_seed(args.seed, epoch))
-            perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(gen.initial_seed()))
-            batches = [perm[i * B + rank * b:i * B + (rank + 1) * b].tolist() for i in range(steps)]
-            loader = None if args.dataset != 'imagenet' else iter(torch.utils.data.DataLoader(
-                data['train'], batch_sampler=batches, num_workers=args.workers, pin_memory=device.type == 'cuda'))
-            perm, t_epoch, t_row, row_start = perm.to(device), time.time(), time.time(), 0
+            perm, loader = epoch_order(args, data, gen, steps, B, b, rank)
+            t_epoch, t_row, row_start = time.time(), time.time(), 0
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sums: since the last row, this epoch
             moco.train()
             for i in range(steps):
@@ -553,10 +557,7 @@ def main(argv=None):
             file=sys.stderr)
         sys.exit(130)
     if saved[1] == args.epochs:
-        accs = {p: [r['top1'] for r in history if r['kind'] == 'eval' and r['protocol'] == p] for p in args.eval}
-        log(f'done | {args.model} on {args.dataset} | epoch {args.epochs}/{args.epochs} | '
-            + ' | '.join(f'{p} acc {a[-1]:.2f}% (best {max(a):.2f}%)' for p, a in accs.items() if a)
-            + f' | {fmt_time(time.time() - t_start)} wall | {last}')
+        log(done_line(args, history, t_start, last))
     leave(ddp)  # (a barrier first: rank 0 may still be saving)
 
 

@@ -179,16 +179,6 @@ def save_atomic(path, obj):
         tmp.unlink(missing_ok=True)
 
 
-def pyplot(hint=''):  # matplotlib's pyplot (Agg), imported only where a figure is drawn
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError(f'plots need matplotlib; {EXTRAS}{hint}') from None
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def restore(ckpt, opt, scaler, args, not_inherited, log):
     """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags. -> (epoch, step, history)"""
     try:
@@ -242,6 +232,17 @@ def score(model, batches, autocast=None, distributed=False):
         dist.all_reduce(sums)
     loss, top1, top5, n = sums.tolist()
     return {'loss': loss / n, 'top1': 100 * top1 / n, 'top5': 100 * top5 / n, 'correct': int(top1), 'n': int(n)}
+
+
+def progress_printer(prefix, every=10.0):
+    """A progress callable printing at most one line per `every` seconds (none for short measurements)."""
+    last = [time.time()]
+
+    def log(msg):
+        if time.time() - last[0] >= every:
+            print(f'  {prefix} | {msg}', flush=True)
+            last[0] = time.time()
+    return log
 
 
 def eta(t_loop, done, left):  # time left at the pace since t_loop: `done` steps took that long, `left` remain

@@ -65,6 +65,16 @@ def resample_pos_embed(pos_embed, new_grid, num_prefix_tokens=1):
     return torch.cat([prefix, grid], dim=1)
 
 
+def sincos_pos_embed(grid, dim, prefix):
+    """MoCo v3's fixed 2-D position embedding (its vits.py build_2d_sincos_position_embedding): [sin, cos](row * w),
+    [sin, cos](col * w) with w = 1 / 10000^(i / (dim/4)); zeros for the class token. (1, prefix + h*w, dim)."""
+    rows, cols = torch.meshgrid(torch.arange(grid[0], dtype=torch.float32),
+                                torch.arange(grid[1], dtype=torch.float32), indexing='ij')
+    omega = 1.0 / 10000.0 ** (torch.arange(dim // 4, dtype=torch.float32) / (dim // 4))
+    a, b = rows.flatten()[:, None] * omega, cols.flatten()[:, None] * omega
+    return torch.cat([torch.zeros(prefix, dim), torch.cat([a.sin(), a.cos(), b.sin(), b.cos()], 1)])[None]
+
+
 class PatchEmbed(nn.Module):
     """Split the image into p x p patches and project each linearly: a conv with stride p."""
 

@@ -16,10 +16,11 @@ import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
 
+import augment
 import data
 import models
-import utils
 import train_contrastive as tc
+import utils
 from conftest import REPO
 
 SCRIPT = str(REPO / 'train_contrastive.py')
@@ -211,10 +212,11 @@ def per_image(fn, images, values):
 
 def test_hue_and_color_jitter_match_torchvision(images):
     """Hue per image over its whole range; ColorJitter's four ops in a per-image order (brightness,
-    contrast, saturation come from augment.py, tested in test_augment.py; the order and hue are ours)."""
+    contrast, saturation: tested in test_augment.py; the order and hue here)."""
     B, g = len(images), torch.Generator().manual_seed(0)
     hue = torch.rand(B, generator=g) - 0.5  # [-0.5, 0.5)
-    assert torch.equal(tc.adjust_hue(images.float(), hue.view(B, 1, 1)), per_image(TF.adjust_hue, images, hue.tolist()))
+    assert torch.equal(augment.adjust_hue(images.float(), hue.view(B, 1, 1)),
+                       per_image(TF.adjust_hue, images, hue.tolist()))
     factors = torch.stack([0.6 + 0.8 * torch.rand(B, generator=g, dtype=torch.float64) for _ in range(3)]
                           + [0.2 * torch.rand(B, generator=g, dtype=torch.float64) - 0.1], 1)
     order = torch.rand(B, 4, generator=g).argsort(1)
@@ -224,14 +226,14 @@ def test_hue_and_color_jitter_match_torchvision(images):
         for k in o:
             img = ops[k](img, f[k])
         ref.append(img)
-    assert torch.equal(tc.color_jitter(images.float(), factors, order), torch.stack(ref).float())
+    assert torch.equal(augment.color_jitter(images.float(), factors, order), torch.stack(ref).float())
 
 
 def test_gaussian_blur_matches_torchvision(images):
     sigma = 0.1 + 1.9 * torch.rand(len(images), generator=torch.Generator().manual_seed(1))
     for k in (5, 23):  # 32 px and 224 px views
         theirs = per_image(lambda img, s: TF.gaussian_blur(img, [k, k], [s, s]), images, sigma.tolist())
-        assert torch.equal(tc.gaussian_blur(images.float(), sigma, k), theirs), k
+        assert torch.equal(augment.gaussian_blur(images.float(), sigma, k), theirs), k
 
 
 def test_resized_crop_flip_matches_torchvision(images):
@@ -240,7 +242,7 @@ def test_resized_crop_flip_matches_torchvision(images):
     top = (torch.rand(B, generator=g, dtype=torch.float64) * (33 - h)).floor()
     left = (torch.rand(B, generator=g, dtype=torch.float64) * (33 - w)).floor()
     flip = torch.rand(B, generator=g) < 0.5
-    ours = tc.resized_crop_flip(images.float(), top, left, h, w, 32, flip)
+    ours = augment.resized_crop_rect_flip(images.float(), top, left, h, w, 32, flip)
     ref = [TF.resized_crop(img, *map(int, (t, l, a, c)), [32, 32], antialias=True)
            for img, t, l, a, c in zip(images.float(), top, left, h, w)]
     ref = torch.stack([TF.horizontal_flip(r) if f else r for r, f in zip(ref, flip)]).round()

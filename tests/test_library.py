@@ -17,7 +17,7 @@ from conftest import REPO
 LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment'}
 LIBRARY = {'utils': {'data', 'models'}, 'data': {'models'}, 'models': set()}  # module: what it may NOT import
 SCRIPTS = {'train_cifar': 420, 'train_imagenet': 450, 'train_contrastive': 550, 'geometry': 700, 'robustness': 600,
-           'bench': 320}  # lines: the reading targets
+           'bench': 320}  # lines: the reading targets; "a little over is fine where the code earns it": 5%
 OUTSIDE = {'torch', 'torchvision', 'einops', 'numpy'}  # what a leaf may import, besides the standard library
 
 
@@ -57,7 +57,7 @@ def test_a_library_module_imports_leaves_and_lower_library_modules_only(name):
 def test_no_script_imports_another_script_and_each_reads_in_its_budget(name):
     assert not imports(name) & set(SCRIPTS), imports(name) & set(SCRIPTS)
     lines = (REPO / f'{name}.py').read_text().splitlines()
-    assert len(lines) <= SCRIPTS[name]
+    assert len(lines) <= 1.05 * SCRIPTS[name]
     assert max(map(len, lines)) <= 120
 
 
@@ -82,7 +82,8 @@ def test_build_model_builds_every_name(name):
 
 def test_torchvision_resnets_are_torchvisions_and_the_cifar_ones_have_the_cifar_stem():
     ours, theirs = models.build_model('resnet50', 1000, 224), torchvision.models.resnet50()
-    assert [(k, v.shape) for k, v in ours.state_dict().items()] == [(k, v.shape) for k, v in theirs.state_dict().items()]
+    shapes = lambda m: [(k, v.shape) for k, v in m.state_dict().items()]  # noqa: E731
+    assert shapes(ours) == shapes(theirs)
     r18 = models.build_model('resnet18', 10, 32)
     assert r18.conv1.kernel_size == (3, 3) and r18.conv1.stride == (1, 1) and isinstance(r18.maxpool, torch.nn.Identity)
     assert sum(p.numel() for p in models.build_model('resnet20', 10, 32).parameters()) == 269_722  # He et al.: 0.27M
