@@ -220,3 +220,10 @@ def test_gpu_columns_tflops_and_mfu_arithmetic(monkeypatch):
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)  # the CUDA defaults
     args = bench.get_args(['--rows', 'vit_b16'])
     assert (args.device.type, args.amp, bench.ROWS['vit_b16'][1 + args.size]) == ('cuda', 'bf16', (224, 128))
+
+
+def test_cifar_rows_time_train_cifars_default_run():
+    """bench.py does not import train_cifar.py (no script imports another): its CIFAR_RUN must stay the defaults."""
+    import train_cifar
+    defaults = vars(train_cifar.get_args([]))
+    assert {k: defaults[k] for k in bench.CIFAR_RUN} == bench.CIFAR_RUN
