@@ -137,6 +137,22 @@ def on_device(loader, device, fmt=torch.preserve_format):
         yield x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
 
 
+class ResumableSampler(torch.utils.data.DistributedSampler):
+    """Whole optimizer steps only, from step `start` of the epoch on. Each epoch is one permutation that rank r
+    reads at r, r + W, ... (drop_last), so step s covers the same images on ANY world size and a resume is a slice."""
+
+    def __init__(self, n, num_replicas, rank, seed, per_step):
+        super().__init__(range(n), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.per_step, self.start = per_step, 0  # per_step: samples this process takes per optimizer step
+        self.steps = self.num_samples // per_step  # optimizer steps per epoch (= N // batch); the tail is dropped
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start * self.per_step:self.steps * self.per_step])
+
+    def __len__(self):
+        return (self.steps - self.start) * self.per_step
+
+
 def folder_samples(root, subset=0):
     """An ImageFolder set DIR/<wnid>/*: (sorted wnids, [(path, class index)]); subset: the first N/C of each class."""
     try:

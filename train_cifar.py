@@ -72,6 +72,8 @@ def get_args(argv=None):
     g.add_argument('--sam', action='store_true', help='Sharpness-Aware Minimization (Foret et al. 2021)')
     g.add_argument('--rho', type=float, default=0.05, help='SAM neighbourhood radius')
     g.add_argument('--adaptive', action='store_true', help='ASAM (Kwon et al. 2021): eps-hat scaled by |w|')
+    g.add_argument('--sam-m', type=int, default=0, metavar='M', help='m-sharpness (Foret et al. Sec. 4.1): one eps-hat '
+                   "per group of M images of a process's batch; 0: the whole of it, as the JAX code per device")
     g.add_argument('--adv', choices=['pgd'], help='train on PGD examples (Madry et al. 2018, pgd.py)')
     g.add_argument('--adv-eps', type=float, default=8.0, help='L-inf radius, in pixel levels /255')
     g.add_argument('--adv-alpha', type=float, default=2.0, help='PGD step size, in pixel levels /255')
@@ -113,8 +115,8 @@ def get_args(argv=None):
         raise UserError(f'--resume {run} is not a train_cifar.py checkpoint (it lacks some of {RUN_KEYS})')
     args.out = args.out or (str(Path(args.resume).parent) if args.resume else 'runs/cifar')
     check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'img_size', 'adv_steps', 'scale'],
-                 ['train_subset', 'test_subset', 'log_every', 'randaug_n', 'randaug_m', 'seed', 'lr', 'wd', 'rho',
-                  'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'],
+                 ['sam_m', 'train_subset', 'test_subset', 'log_every', 'randaug_n', 'randaug_m', 'seed', 'lr', 'wd',
+                  'rho', 'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'],
                  dict(randaug_m=30, scale=1, reprob=1, label_smoothing=1))
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
         raise UserError('--eval-only evaluates --checkpoint PATH (not --resume); --checkpoint is for --eval-only')
@@ -161,6 +163,38 @@ def load_data(args, proc):
     return (*train, *test)
 
 
+def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
+    """One optimizer step on this process's batch (x, y) -> (the clean passes' mean loss, their logits), detached.
+    SAM (Foret et al. Alg. 1, sam.py) with m-sharpness (Sec. 4.1): each group of m images gets its own eps-hat from
+    its own first pass (no all-reduce: DDP's no_sync); the SAM gradients of the groups are averaged, all-reduced
+    once; BatchNorm statistics come from the first passes. m = the whole batch (the default) is one group."""
+    groups = list(zip(x.split(m), y.split(m))) if args.sam else [(x, y)]
+    losses, outs = [], []
+    for j, (xg, yg) in enumerate(groups):
+        with first_pass(model) if args.sam else nullcontext():
+            with autocast:
+                out = fwd(xg)
+                loss = criterion(out, yg)
+            scaler.scale(loss).backward()
+        losses.append(loss.detach())
+        outs.append(out.detach())
+        if args.sam:
+            opt.first_step(zero_grad=True)  # w <- w + eps-hat_j; .grad <- the SAM gradient of the groups before
+            with second_pass(model, sync=j == len(groups) - 1):  # DDP: one all-reduce, on the last backward
+                with autocast:
+                    loss_sam = criterion(fwd(xg), yg) / len(groups)
+                scaler.scale(loss_sam).backward()  # g_SAM, averaged over the groups (and replicas)
+            if j < len(groups) - 1:
+                opt.next_group()  # w restored exactly; the SAM gradient so far set aside
+    if args.clip_grad > 0:
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+    scaler.step(opt)  # SAM: w restored from its copy, then the base step with g_SAM
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    return torch.stack(losses).mean(), torch.cat(outs)
+
+
 def make_optimizer(args, model):
     """locuslab: AdamW; finetune: SGD with momentum 0.9 (vit_jax); SAM-wrapped with --sam. Decay on every parameter,
     as locuslab's AdamW."""
@@ -184,6 +218,11 @@ def main(argv=None):
     if not args.eval_only and args.batch_size % world:
         raise UserError(f'--batch-size {args.batch_size} (global) does not divide by the world size {world}')
     batch = args.batch_size // world
+    m = args.sam_m or batch  # m-sharpness: images per eps-hat (sam.py)
+    if args.sam and batch % m:
+        fit = max(d for d in range(1, m) if batch % d == 0)
+        raise UserError(f'--sam-m {m} does not divide the {batch} images of a process (--batch-size {args.batch_size} '
+                        f'/ {world}); pass a divisor of {batch}, such as {fit}')
     raw = make_model(args)  # the model first: a bad name fails at once
     ckpt = read_checkpoint(args.resume, '--resume') if args.resume else None  # optimizer, scaler, history
     out_dir = prepare_out(args) if proc.master and not args.eval_only else Path(args.out)
@@ -212,7 +251,8 @@ def main(argv=None):
         f'{args.dataset}: {len(train_y):,} train / {len(test_y):,} test at {args.img_size} px | {args.epochs} epochs '
         f'x {steps} steps of {args.batch_size} ({world} x {batch})'
         f' | {type(getattr(opt, "base_optimizer", opt)).__name__} lr {args.lr} wd {args.wd}'
-        f'{f" | SAM rho {args.rho}" * args.sam}{f" | PGD-{args.adv_steps} eps {args.adv_eps:g}/255" * bool(args.adv)}'
+        f'{f" | SAM rho {args.rho} m {m}" * args.sam}'
+        f'{f" | PGD-{args.adv_steps} eps {args.adv_eps:g}/255" * bool(args.adv)}'
         f' | aug {args.aug} | amp {proc.amp} | {device}')
     last, epoch, saved = out_dir / 'last.pt', start_epoch, (args.resume, start_epoch)  # saved: the last good one
     first_bad = torch.full((), NO_STEP, device=device)  # first non-finite loss: kept on the device, no sync
@@ -237,28 +277,11 @@ def main(argv=None):
                         x = (pgd(eval_model, x * std + mean, y, args.adv_eps / 255, args.adv_alpha / 255,
                                  args.adv_steps, normalize=lambda v: (v - mean) / std) - mean) / std
                 x = x.contiguous(memory_format=torch.channels_last) if args.channels_last else x
-                # SAM (Alg. 1, sam.py): eps-hat and BatchNorm statistics from this rank's first pass alone (m-sharpness)
-                with first_pass(model) if args.sam else nullcontext():
-                    with autocast:
-                        out = fwd(x)
-                        loss = criterion(out, y)
-                    scaler.scale(loss).backward()
-                if args.sam:
-                    opt.first_step(zero_grad=True)  # w <- w + eps-hat
-                    with second_pass(model):
-                        with autocast:
-                            loss_sam = criterion(fwd(x), y)
-                        scaler.scale(loss_sam).backward()  # g_SAM, all-reduced under DDP
-                if args.clip_grad > 0:
-                    scaler.unscale_(opt)
-                    nn.utils.clip_grad_norm_(raw.parameters(), args.clip_grad)
-                scaler.step(opt)  # SAM: w restored from its copy, then the base step with g_SAM
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
+                loss, out = train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast)
                 step += 1
-                loss = loss.detach().double()  # (fp16 overflow is in the gradients, and GradScaler skips it)
+                loss = loss.double()  # (fp16 overflow is in the gradients, and GradScaler skips it)
                 first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
-                sums[:, :2] += torch.stack([loss * len(y), (out.detach().argmax(1) == y).sum()])
+                sums[:, :2] += torch.stack([loss * len(y), (out.argmax(1) == y).sum()])
                 sums[:, 2] += len(y)
                 if args.log_every and (i + 1) % args.log_every == 0 and i + 1 < steps:
                     if proc.master:  # (rank 0's images: no collective mid-epoch; reading first_bad is the host sync)

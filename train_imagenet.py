@@ -1,5 +1,4 @@
 """ImageNet-1k training for ViT, MLP-Mixer, ConvMixer and the ResNet baselines, with DDP, AMP and SAM.
-
 A recipe (RECIPES: sam, convmixer or finetune, sources cited there) fills every flag left unset; with --resume
 the run's own flags do.
 
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from data import LAYOUT, MEANS, ImageFolder, eval_transform, on_device
+from data import LAYOUT, MEANS, ImageFolder, ResumableSampler, eval_transform, on_device
 from models import build_model, load_weights, parse_model_kw
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
@@ -55,14 +54,16 @@ RECIPES = {  # completed below with BASE_RECIPE's values where a recipe sets non
 BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_min=0.08, label_smoothing=0.0,
                    randaug_n=0, mixup=0.0, cutmix=0.0, reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear')
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
-DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=1, sam=False, rho=0.05, adaptive=False,
-                amp='auto', seed=0, log_every=50, save_every=0, synthetic=False)  # the same in every recipe
+DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=256, sam=False,
+                rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0,
+                synthetic=False)  # the same in every recipe
 RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
-POSITIVE = ['epochs', 'batch_size', 'accum_steps', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct',
+POSITIVE = ['epochs', 'batch_size', 'max_micro_batch', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct',
             'eval_batch_size']
-NON_NEGATIVE = ['workers', 'warmup_steps', 'wd', 'clip_grad', 'rho', 'label_smoothing', 'randaug_n', 'randaug_m',
+NON_NEGATIVE = ['accum_steps', 'sam_m', 'workers', 'warmup_steps', 'wd', 'clip_grad', 'rho', 'label_smoothing',
+                'randaug_n', 'randaug_m',
                 'mixup', 'cutmix', 'reprob', 'log_every', 'save_every', 'max_steps', 'seed']
 AT_MOST = dict(crop_min=1, crop_pct=1, label_smoothing=1, reprob=1, randaug_m=30)
 
@@ -103,7 +104,10 @@ def get_args(argv=None):
     a('--compile', 'torch.compile the model', action='store_true')
     a('--epochs', 'training epochs', type=int)
     a('--batch-size', 'GLOBAL batch of one optimizer step (all processes x --accum-steps)', type=int)
-    a('--accum-steps', 'gradient-accumulation micro-batches per optimizer step', type=int)
+    a('--accum-steps', 'micro-batches per optimizer step and process (0: the fewest of at most --max-micro-batch)',
+      type=int)
+    a('--max-micro-batch', 'most images per forward pass and process; 256 fits a 40 GB GPU for the B models in bf16 '
+      '(ViT-B/16: ~63 MiB an image)', type=int)
     a('--lr', 'peak learning rate (for the recipe\'s --batch-size: scale it with the batch, Goyal et al.)', type=float)
     a('--opt', 'adamw (betas 0.9, 0.999) or sgd (momentum 0.9)', choices=['adamw', 'sgd'])
     a('--opt-eps', 'AdamW epsilon', type=float)
@@ -114,6 +118,8 @@ def get_args(argv=None):
     a('--sam', 'Sharpness-Aware Minimization (Foret et al. 2020)', action=argparse.BooleanOptionalAction)
     a('--rho', 'SAM radius; Chen et al. tune it per model (their appendix)', type=float)
     a('--adaptive', 'ASAM (Kwon et al. 2021)', action=argparse.BooleanOptionalAction)
+    a('--sam-m', 'm-sharpness (Foret et al. Sec. 4.1): images per eps-hat, a divisor of the micro-batch; 0: the '
+      "process's whole batch, as the JAX code per device (the paper: 4096 images on 64 TPU chips, m = 64)", type=int)
     a('--amp', 'autocast: auto = bf16 where the GPU has it, else off; fp16 adds a GradScaler',
       choices=['auto', 'bf16', 'fp16', 'off'])
     a('--seed', 'seed of the initial weights, data order and augmentation', type=int)
@@ -169,22 +175,6 @@ def train_transform(args, mean, std):
     return v2.Compose(t)
 
 
-class ResumableSampler(torch.utils.data.DistributedSampler):
-    """Whole optimizer steps only, from step `start` of the epoch on. Each epoch is one permutation that rank r
-    reads at r, r + W, ... (drop_last), so step s covers the same images on ANY world size and a resume is a slice."""
-
-    def __init__(self, n, num_replicas, rank, seed, per_step):
-        super().__init__(range(n), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.per_step, self.start = per_step, 0  # per_step: samples this process takes per optimizer step
-        self.steps = self.num_samples // per_step  # optimizer steps per epoch (= N // batch); the tail is dropped
-
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start * self.per_step:self.steps * self.per_step])
-
-    def __len__(self):
-        return (self.steps - self.start) * self.per_step
-
-
 def seed_epoch(seed, epoch, rank, start, worker_seeds):
     """Re-seed every RNG from (seed, epoch, rank, first step): a resume at an epoch boundary draws exactly what
     the uninterrupted run drew, and every rank draws its own augmentation."""
@@ -195,24 +185,38 @@ def seed_epoch(seed, epoch, rank, start, worker_seeds):
 
 # -----------------------------------------------------------------------------
 # One optimizer step, with gradient accumulation and optionally SAM; the LR schedule.
-def accumulate(model, micro, scaler, label_smoothing, amp_dtype):
-    """Backward of each micro-batch's loss / k: the sum is the gradient of the whole batch's mean loss (exactly so
-    without BatchNorm). Under DDP only the last backward all-reduces."""
+def accumulate(model, micro, scaler, label_smoothing, amp_dtype, share=1.0):
+    """Backward of each micro-batch's loss x share / k: the sum is the gradient of the whole batch's mean loss
+    (exactly so without BatchNorm) x share. Under DDP only the last backward all-reduces. -> the mean loss."""
     no_sync, total = getattr(model, 'no_sync', None), 0.0  # no_sync: DDP (also through torch.compile)
     for j, (x, y) in enumerate(micro):  # y: class indices, or mixup/cutmix soft targets (B, classes)
         with no_sync() if no_sync is not None and j < len(micro) - 1 else contextlib.nullcontext():
             with torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = F.cross_entropy(model(x).float(), y, label_smoothing=label_smoothing) / len(micro)
-            scaler.scale(loss).backward()
+            scaler.scale(loss * share if share != 1.0 else loss).backward()
         total += loss.detach()
     return total
 
 
-def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothing=0.0, amp_dtype=None):
+def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothing=0.0, amp_dtype=None,
+               sam_m=None):
     """One optimizer step on a batch split into micro-batches [(x, y), ...]; returns the (first pass's) mean loss.
     SAM (Foret et al. Alg. 1): the first pass accumulates g with no all-reduce (m-sharpness: each replica its own
-    eps-hat, as the official JAX code), perturbs once, and the second pass accumulates g_SAM, which is clipped."""
-    if sam:
+    eps-hat, as the official JAX code), perturbs once, and the second pass accumulates g_SAM, which is clipped.
+    sam_m below the process's batch: m-sharpness in groups of sam_m images (each dividing a micro-batch), each
+    group its own eps-hat from its own first pass; the groups' g_SAM averaged, all-reduced once (sam.py)."""
+    groups = [(xg, yg) for x, y in micro for xg, yg in zip(x.split(sam_m), y.split(sam_m))] if sam and sam_m else []
+    if len(groups) > 1 and sam_m < sum(len(x) for x, _ in micro):
+        loss = 0.0
+        for j, group in enumerate(groups):
+            with first_pass(model):  # a clean gradient of this group alone
+                loss += accumulate(model, [group], scaler, label_smoothing, amp_dtype) / len(groups)
+            optimizer.first_step(zero_grad=True)  # w <- w + eps_hat_j; .grad <- the groups' g_SAM so far
+            with second_pass(model, sync=j == len(groups) - 1):  # DDP: one all-reduce, on the last backward
+                accumulate(model, [group], scaler, label_smoothing, amp_dtype, share=1 / len(groups))
+            if j < len(groups) - 1:
+                optimizer.next_group()  # w restored exactly; the g_SAM sum set aside
+    elif sam:
         with first_pass(model):
             loss = accumulate(model, micro, scaler, label_smoothing, amp_dtype)
         optimizer.first_step(zero_grad=True)  # climb to w + eps_hat
@@ -241,7 +245,8 @@ def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):
 
 
 # -----------------------------------------------------------------------------
-# Output: every file written atomically (train_cifar.save_atomic); a failed write ends the run, keeps the old file.
+# Output, data, optimizer, resume: the sections of main() that are long. Every file is written atomically
+# (utils.save_atomic): a failed write ends the run and keeps the old file.
 def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info):
     """last.pt first: if it cannot be written, nothing of the run has changed. info: vars(args) and more."""
     save_atomic(Path(out, 'last.pt'), dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
@@ -251,8 +256,6 @@ def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info
     save_atomic(Path(out, 'args.json'), info)
 
 
-# -----------------------------------------------------------------------------
-# The sections of main() that are long: data, optimizer, resume.
 def make_data(args, proc):
     """(val_loader, num_classes, train loader, its sampler, the workers' seed generator, mixup/cutmix or None);
     the train parts are None with --eval-only. Rank r evaluates images r, r + W, ...: exact, no padding."""
@@ -284,6 +287,25 @@ def make_data(args, proc):
     mix += [v2.CutMix(alpha=args.cutmix, num_classes=num_classes)] if args.cutmix > 0 else []
     mix = v2.RandomChoice(mix) if mix else None  # on the batch: one of them, p 0.5 each (timm)
     return val_loader, num_classes, train_loader, sampler, worker_seeds, mix
+
+
+def split_batch(args, world):
+    """-> (images per process and step, micro-batches k, m-sharpness group m). The global batch never changes:
+    k is --accum-steps, or the fewest micro-batches of at most --max-micro-batch images; m divides a micro-batch."""
+    per_step, cap = args.batch_size // world, args.max_micro_batch
+    k = args.accum_steps or next(k for k in range(1, per_step + 2) if per_step % k == 0 and per_step // k <= cap)
+    if args.batch_size % (world * k):
+        raise UserError(f'--batch-size {args.batch_size} (global) must divide by processes ({world}) x --accum-steps '
+                        f'({k})')
+    if per_step // k > cap:
+        raise UserError(f'--accum-steps {k} makes micro-batches of {per_step // k} images, more than --max-micro-batch '
+                        f'{cap}; pass --accum-steps 0 (derived) or a larger --max-micro-batch')
+    m = args.sam_m or per_step
+    if args.sam and m != per_step and (per_step // k) % m:
+        raise UserError(f'--sam-m {m} must divide the micro-batch of {per_step // k} images (--batch-size '
+                        f'{args.batch_size} / {world} processes / {k} micro-batches) or be {per_step}, the process\'s '
+                        f'batch; pass a divisor of {per_step // k}')
+    return per_step, k, m
 
 
 def make_optimizer(args, model):
@@ -330,9 +352,7 @@ def main(argv=None):
     amp_dtype = proc.amp_dtype
     fmt = torch.channels_last if args.channels_last else torch.preserve_format
     if not args.eval_only:
-        if args.batch_size % (world * args.accum_steps):
-            raise UserError(f'--batch-size {args.batch_size} (global) must divide by processes ({world}) x '
-                            f'--accum-steps ({args.accum_steps})')
+        per_step, k, m = split_batch(args, world)
         args.out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else
                                 os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
         prepare_out(args)
@@ -358,7 +378,7 @@ def main(argv=None):
     train_model = torch.compile(train_model) if args.compile else train_model  # DDP overlaps buckets with backward
     optimizer = make_optimizer(args, model)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
-    steps, k, per_step = sampler.steps, args.accum_steps, args.batch_size // world
+    steps = sampler.steps
     step, history = resume(args, model, optimizer, scaler, steps, log) if args.resume else (0, [])
     last = os.path.join(args.out, 'last.pt')
     saved = (args.resume, step) if args.resume else (None, 0)  # the last checkpoint
@@ -386,7 +406,8 @@ def main(argv=None):
                 for group in optimizer.param_groups:
                     group['lr'] = lr
                 loss = train_step(train_model, optimizer, scaler, list(zip(x.chunk(k), y.chunk(k))), sam=args.sam,
-                                  clip_grad=args.clip_grad, label_smoothing=args.label_smoothing, amp_dtype=amp_dtype)
+                                  clip_grad=args.clip_grad, label_smoothing=args.label_smoothing, amp_dtype=amp_dtype,
+                                  sam_m=m)
                 step, n_window, window = step + 1, n_window + 1, window + loss
                 first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
                 if (args.log_every and step % args.log_every == 0) or step % steps == 0:  # a train row

@@ -470,6 +470,10 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
                                  '--img-size', 48, '--pretrained', '{dir}/mixer.pt'], ['Mixer of 64 tokens', '144']),
     'img-size-0': (['--img-size', 0], ['--img-size must be a finite number > 0, got 0']),
     'adv-steps-0': (['--adv', 'pgd', '--adv-steps', 0], ['--adv-steps must be a finite number > 0, got 0']),
+    # issue 27: m-sharpness
+    'sam-m-not-dividing': (['--sam', '--sam-m', 48, '--batch-size', 100], ['--sam-m 48 does not divide the 100 images',
+                                                                           'such as 25']),
+    'sam-m-negative': (['--sam', '--sam-m', -1], ['--sam-m must be a finite number >= 0, got -1']),
 }
 
 
@@ -790,3 +794,16 @@ def test_adv_sam_attacks_once_at_w_and_both_passes_see_that_batch(cifar10_dir, t
     for (_, w_pgd, x_adv), (_, w1, x1), (_, w2, x2) in zip(events[0::3], events[1::3], events[2::3]):
         assert torch.equal(w_pgd, w1) and not torch.allclose(w1, w2)  # attacked at w; the second pass at w + eps
         assert torch.allclose(x1, x_adv, atol=1e-6) and torch.equal(x1, x2)
+
+
+def test_sam_m_of_the_whole_batch_is_the_plain_sam_step_and_smaller_groups_differ(cifar10_dir, tmp_path):
+    """--sam-m 50 at batch 50 is one group: the run is bit-identical to --sam alone; --sam-m 10 (five eps-hats per
+    step, sam.py's group loop, tested there against a hand computation and k gloo ranks) trains elsewhere."""
+    common = ['--data', cifar10_dir, '--train-subset', 100, '--test-subset', 10, '--batch-size', 50, '--epochs', 1,
+              '--aug', 'basic', '--log-every', 0, *TINY, '--sam', '--rho', 0.5]
+    weights = {}
+    for name, extra in (('plain', []), ('whole', ['--sam-m', 50]), ('groups', ['--sam-m', 10])):
+        tc.main([str(a) for a in [*common, *extra, '--out', tmp_path / name]])
+        weights[name] = torch.load(tmp_path / name / 'last.pt', weights_only=True)['model']
+    assert all(torch.equal(v, weights['whole'][k]) for k, v in weights['plain'].items())
+    assert any(not torch.allclose(v, weights['groups'][k]) for k, v in weights['plain'].items())

@@ -406,6 +406,36 @@ def test_sam_step_differs_from_plain_step():
     assert (w_plain - w_sam).abs().max() > 1e-3
 
 
+def test_m_sharpness_in_train_step_is_per_group_sam_by_hand():
+    """--sam-m 4 on 16 images in 2 micro-batches of 8: four groups, each perturbed by rho g_j / ||g_j|| from its own
+    gradient, the four g_SAM averaged, one SGD step; computed here with torch.autograd.grad in float64."""
+    torch.manual_seed(0)
+    model = tiny_layernorm_model().double()
+    (x, y), = fixed_batches(steps=1)
+    x, rho, lr = x.double(), 0.5, 0.5
+    w = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    g_sam = [torch.zeros_like(p) for p in w]
+    for j in range(4):  # the oracle: Foret et al. Sec. 4.1, group by group
+        xj, yj = x[4 * j:4 * j + 4], y[4 * j:4 * j + 4]
+        g = torch.autograd.grad(F.cross_entropy(torch.func.functional_call(model, dict(zip(
+            [n for n, _ in model.named_parameters()], w)), (xj,)), yj), w)
+        norm = torch.sqrt(sum((gi ** 2).sum() for gi in g))
+        moved = [(wi + rho * gi / norm).detach() for wi, gi in zip(w, g)]
+        gs = torch.autograd.grad(F.cross_entropy(torch.func.functional_call(model, dict(zip(
+            [n for n, _ in model.named_parameters()], [m.requires_grad_() for m in moved])), (xj,)), yj), moved)
+        g_sam = [a + b / 4 for a, b in zip(g_sam, gs)]
+    want = torch.cat([(wi - lr * gi).detach().flatten() for wi, gi in zip(w, g_sam)])
+    opt = SAM(model.parameters(), torch.optim.SGD, rho=rho, lr=lr)
+    ti.train_step(model, opt, torch.amp.GradScaler('cpu', enabled=False), [(x[:8], y[:8]), (x[8:], y[8:])],
+                  sam=True, clip_grad=0, sam_m=4)
+    got = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # (train_step's logits are fp32: .float())
+    whole = tiny_layernorm_model().double()  # control: eps-hat from all 16 images moves elsewhere
+    ti.train_step(whole, SAM(whole.parameters(), torch.optim.SGD, rho=rho, lr=lr),
+                  torch.amp.GradScaler('cpu', enabled=False), [(x[:8], y[:8]), (x[8:], y[8:])], sam=True, clip_grad=0)
+    assert (torch.cat([p.detach().flatten() for p in whole.parameters()]) - want).abs().max() > 100 * 1e-6
+
+
 SAM_RANKS = '''
 import sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -640,7 +670,11 @@ EVAL = ['--eval-only', '--workers', 0, '--eval-batch-size', 8, '--data', '{data}
 BAD_INPUTS = {  # name: (argv, fragments the message must hold)
     'batch-size-0': (BASE + ['--batch-size', 0], ['--batch-size must be a finite number > 0, got 0']),
     'batch-size-negative': (BASE + ['--batch-size', -20], ['--batch-size must be a finite number > 0, got -20']),
-    'accum-steps-0': (BASE + ['--accum-steps', 0], ['--accum-steps must be a finite number > 0, got 0']),
+    'accum-steps-negative': (BASE + ['--accum-steps', -1], ['--accum-steps must be a finite number >= 0, got -1']),
+    'micro-batch-over-cap': (BASE + ['--accum-steps', 1, '--max-micro-batch', 8],
+                             ['--accum-steps 1 makes micro-batches of 20 images, more than --max-micro-batch 8']),
+    'sam-m-not-dividing': (BASE + ['--sam', '--sam-m', 3], ['--sam-m 3 must divide the micro-batch of 20 images']),
+    'sam-m-negative': (BASE + ['--sam', '--sam-m', -2], ['--sam-m must be a finite number >= 0, got -2']),
     'batch-not-divisible': (BASE + ['--accum-steps', 3], ['--batch-size 20 (global) must divide', '--accum-steps (3)']),
     'log-every-negative': (BASE + ['--log-every', -1], ['--log-every must be a finite number >= 0, got -1']),
     'workers-negative': (BASE + ['--workers', -1], ['--workers must be a finite number >= 0, got -1']),
