@@ -15,7 +15,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_cla
 from torchvision.transforms import v2
 
 from augment import normalize
-from utils import UserError, one_line, score
+from utils import UserError, epoch_seed, one_line, score
 
 # -----------------------------------------------------------------------------
 # CIFAR
@@ -110,8 +110,10 @@ def eval_transform(img_size, crop_pct=0.875, interp='bilinear', norm='jax', to_f
 
 
 class ImageFolder(torchvision.datasets.ImageFolder):
-    """torchvision's, but an image PIL cannot decode comes back blank with label -1 - index: an exception in a
-    loader worker reaches the main process inside the worker's traceback, so on_device() names the file."""
+    """torchvision's, with two changes. An index (i, seed) draws image i's augmentation from torch's RNG seeded with
+    `seed` (ResumableSampler gives one per image and epoch): the draws do not depend on the worker, the batch size
+    or a resume. An image PIL cannot decode comes back blank with label -1 - i: an exception in a loader worker
+    reaches the main process inside the worker's traceback, so on_device() names the file."""
 
     def __init__(self, root, split, transform, img_size):
         try:
@@ -121,20 +123,26 @@ class ImageFolder(torchvision.datasets.ImageFolder):
         self.img_size = img_size
 
     def __getitem__(self, index):
+        index, seed = index if isinstance(index, tuple) else (index, None)
         try:
-            return super().__getitem__(index)
+            with torch.random.fork_rng(devices=[], enabled=seed is not None):  # (the caller's RNG stays as it was)
+                if seed is not None:
+                    torch.manual_seed(seed)
+                return super().__getitem__(index)
         except (OSError, ValueError):  # PIL: cannot identify image file, image file is truncated, ...
-            return torch.zeros(3, self.img_size, self.img_size), -1 - index
+            return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), -1 - index
 
 
-def on_device(loader, device, fmt=torch.preserve_format):
-    """The loader's batches on the device; an image that could not be decoded (label < 0) is named while the labels
-    are still on the CPU (no host sync)."""
+def on_device(loader, mean, std, fmt=torch.preserve_format):
+    """The loader's uint8 batches normalised on the device of mean, std ((1, 3, 1, 1) tensors): a quarter of the
+    bytes of float32 through shared memory and the copy, non_blocking from pinned memory. An image that could not
+    be decoded (label < 0) is named while the labels are still on the CPU (no host sync)."""
     for x, y in loader:
         if (y < 0).any():
             raise UserError(f'cannot decode the image {loader.dataset.samples[-1 - int(y.min())][0]} (corrupt or '
                             'truncated); replace or delete it')
-        yield x.to(device, non_blocking=True, memory_format=fmt), y.to(device, non_blocking=True)
+        x = normalize(x.to(mean.device, non_blocking=True), mean, std)
+        yield x.contiguous(memory_format=fmt), y.to(mean.device, non_blocking=True)
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):
@@ -146,8 +154,10 @@ class ResumableSampler(torch.utils.data.DistributedSampler):
         self.per_step, self.start = per_step, 0  # per_step: samples this process takes per optimizer step
         self.steps = self.num_samples // per_step  # optimizer steps per epoch (= N // batch); the tail is dropped
 
-    def __iter__(self):
-        return iter(list(super().__iter__())[self.start * self.per_step:self.steps * self.per_step])
+    def __iter__(self):  # (image index, the seed of its augmentation: from (seed, epoch, index) only)
+        base = epoch_seed(self.seed, self.epoch) << 21
+        return iter([(i, base + i) for i in list(super().__iter__())[self.start * self.per_step:
+                                                                     self.steps * self.per_step]])
 
     def __len__(self):
         return (self.steps - self.start) * self.per_step

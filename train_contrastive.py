@@ -452,8 +452,8 @@ def main(argv=None):
     backbone = moco.base_encoder[0]  # the query encoder's ViT: what is evaluated and exported
     out_dir = prepare_out(args) if proc.master and not args.eval_only else Path(args.out)
     init_group(proc)
-    with rank_zero_first(proc):  # rank 0 reads (and, for CIFAR, may download) first
-        data = load_data(args, device)
+    with rank_zero_first(proc) if args.dataset != 'imagenet' else contextlib.nullcontext():  # a CIFAR download
+        data = load_data(args, device)  # (ImageNet: each rank scans the folders itself, no barrier)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in data['norm'])
     if args.eval_only:
         rows = evaluate(backbone, data, args, autocast, rank, world, 0, 0, t_start)

@@ -163,24 +163,52 @@ def get_args(argv=None):
 
 # -----------------------------------------------------------------------------
 # Data: decoding, crop, flip and RandAugment per image in the loader workers; mixup/cutmix on the batch on the GPU.
-def train_transform(args, mean, std):
+def train_transform(args, mean):
+    """In the loader workers, per image: crop, flip, RandAugment, to uint8 (normalised on the device: on_device)."""
     t = [v2.RandomResizedCrop(args.img_size, scale=(args.crop_min, 1.0), antialias=True), v2.RandomHorizontalFlip()]
     if args.randaug_n > 0:  # torchvision's 31 bins; filled with the mean pixel, as timm. Deviations from timm's
         # rand-m9-mstd0.5: m9 of 10 is bin 27 of 30, with no N(m, 0.5) jitter of m; torchvision's op set.
         t.append(v2.RandAugment(args.randaug_n, args.randaug_m, 31, v2.InterpolationMode.BILINEAR,
                                 fill=[round(255 * m) for m in mean]))
-    t += [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
-    if args.reprob > 0:  # on the normalised image, with N(0, 1) noise: timm's 'pixel' mode
-        t.append(v2.RandomErasing(p=args.reprob, value='random'))
-    return v2.Compose(t)
+    return v2.Compose(t + [v2.PILToTensor()])
 
 
-def seed_epoch(seed, epoch, rank, start, worker_seeds):
-    """Re-seed every RNG from (seed, epoch, rank, first step): a resume at an epoch boundary draws exactly what
-    the uninterrupted run drew, and every rank draws its own augmentation."""
-    s = epoch_seed(seed, epoch, rank, start)
-    torch.manual_seed(s)  # mixup, dropout (and the augmentation with --workers 0)
-    worker_seeds.manual_seed(s)  # the loader workers' augmentation
+def random_erasing(x, p):
+    """timm's RandomErasing in 'pixel' mode on the device, per image of a normalised batch (B, 3, H, W): with
+    probability p a box of 2-33% of the area, aspect ratio log-uniform in (0.3, 3.3), the first of 10 draws that
+    fits (torchvision's v2.RandomErasing draws), at a uniform position, filled with N(0, 1) noise. No host sync."""
+    (B, _, H, W), dev = x.shape, x.device
+    area = H * W * torch.empty(B, 10, device=dev).uniform_(0.02, 0.33)
+    ratio = torch.empty(B, 10, device=dev).uniform_(math.log(0.3), math.log(3.3)).exp()
+    h, w = (area * ratio).sqrt().round(), (area / ratio).sqrt().round()
+    fits = (h < H) & (w < W)
+    first = fits.int().argmax(1, keepdim=True)
+    h, w = h.gather(1, first), w.gather(1, first)  # (B, 1)
+    top = (torch.rand(B, 1, device=dev) * (H - h + 1)).floor()
+    left = (torch.rand(B, 1, device=dev) * (W - w + 1)).floor()
+    rows, cols = torch.arange(H, device=dev)[None, :], torch.arange(W, device=dev)[None, :]
+    box = ((rows >= top) & (rows < top + h))[:, :, None] & ((cols >= left) & (cols < left + w))[:, None, :]
+    on = (torch.rand(B, device=dev) < p) & fits.any(1)
+    return torch.where((box & on[:, None, None])[:, None], torch.randn_like(x), x)
+
+
+class OneBatch:
+    """--synthetic: one random, normalised batch made once on the device and served every step: the model's speed,
+    not the loader's."""
+
+    def __init__(self, size, img_size, num_classes, device):
+        self.batch = (torch.randn(size, 3, img_size, img_size, device=device),
+                      torch.randint(0, num_classes, (size,), device=device))
+
+    def __iter__(self):
+        return itertools.repeat(self.batch)
+
+
+def seed_epoch(seed, epoch, rank, start):
+    """Re-seed this process's RNG from (seed, epoch, rank, first step), for mixup, erasing and dropout: a resume at
+    an epoch boundary draws exactly what the uninterrupted run drew, and every rank draws its own. (Each image's
+    crop, flip and RandAugment come from its own seed, from (seed, epoch, index): data.ResumableSampler.)"""
+    torch.manual_seed(epoch_seed(seed, epoch, rank, start))
 
 
 # -----------------------------------------------------------------------------
@@ -256,37 +284,38 @@ def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info
     save_atomic(Path(out, 'args.json'), info)
 
 
-def make_data(args, proc):
-    """(val_loader, num_classes, train loader, its sampler, the workers' seed generator, mixup/cutmix or None);
-    the train parts are None with --eval-only. Rank r evaluates images r, r + W, ...: exact, no padding."""
-    train_tf = train_transform(args, *MEANS[args.norm])
-    val_tf = eval_transform(args.img_size, args.crop_pct, args.eval_interp, args.norm)
-    if args.synthetic:  # random images of ImageNet's counts (torchvision's FakeData): throughput without data
-        train_set = datasets.FakeData(1_281_167, (3, args.img_size, args.img_size), 1000, train_tf)
+def make_data(args, proc, micro=0):
+    """(val_loader, num_classes, train loader of micro-batches, its sampler, mixup/cutmix or None); the train parts
+    are None with --eval-only. Rank r evaluates images r, r + W, ...: exact, no padding. Workers persist across
+    epochs and evaluations (each image's draws come from its own seed, not from the worker's RNG)."""
+    val_tf = eval_transform(args.img_size, args.crop_pct, args.eval_interp, args.norm, to_float=False)
+    if args.synthetic:  # ImageNet's counts; the training batch is made on the device (OneBatch), val by FakeData
+        train_set = range(1_281_167)
         val_set = datasets.FakeData(50_000, (3, args.img_size, args.img_size), 1000, val_tf)
     else:
         val_set = ImageFolder(args.data, 'val', val_tf, args.img_size)
+        train_tf = train_transform(args, MEANS[args.norm][0])
         train_set = None if args.eval_only else ImageFolder(args.data, 'train', train_tf, args.img_size)
         if train_set is not None and train_set.classes != val_set.classes:
             raise UserError(f'--data {args.data}: the class folders of train ({len(train_set.classes)}) and val '
                             f'({len(val_set.classes)}) differ in number or names; {LAYOUT}')
     num_classes = 1000 if args.synthetic else len(val_set.classes)
-    loader_kw = dict(num_workers=args.workers, pin_memory=proc.device.type == 'cuda')
+    loader_kw = dict(num_workers=args.workers, pin_memory=proc.device.type == 'cuda',
+                     persistent_workers=args.workers > 0)
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.eval_batch_size,
                                              sampler=range(proc.rank, len(val_set), proc.world), **loader_kw)
     if args.eval_only:
-        return val_loader, num_classes, None, None, None, None
+        return val_loader, num_classes, None, None, None
     per_step = args.batch_size // proc.world  # images per process per optimizer step
     sampler = ResumableSampler(len(train_set), proc.world, proc.rank, args.seed, per_step)
     if sampler.steps == 0:
         raise UserError(f'--batch-size {args.batch_size} is larger than the training set ({len(train_set)} images)')
-    worker_seeds = torch.Generator()  # re-seeded each epoch: the workers' augmentation draws
-    train_loader = torch.utils.data.DataLoader(train_set, batch_size=per_step, sampler=sampler,
-                                               generator=worker_seeds, **loader_kw)
+    train_loader = OneBatch(micro, args.img_size, num_classes, proc.device) if args.synthetic else \
+        torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, **loader_kw)  # uint8 micro-batches
     mix = [v2.MixUp(alpha=args.mixup, num_classes=num_classes)] if args.mixup > 0 else []
     mix += [v2.CutMix(alpha=args.cutmix, num_classes=num_classes)] if args.cutmix > 0 else []
     mix = v2.RandomChoice(mix) if mix else None  # on the batch: one of them, p 0.5 each (timm)
-    return val_loader, num_classes, train_loader, sampler, worker_seeds, mix
+    return val_loader, num_classes, train_loader, sampler, mix
 
 
 def split_batch(args, world):
@@ -357,7 +386,8 @@ def main(argv=None):
                                 os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
         prepare_out(args)
     init_group(proc)
-    val_loader, num_classes, train_loader, sampler, worker_seeds, mix = make_data(args, proc)
+    val_loader, num_classes, train_loader, sampler, mix = make_data(args, proc, 0 if args.eval_only else per_step // k)
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in MEANS[args.norm])
 
     # --- model: trained through DDP; evaluated bare (no collectives: ranks may run unequal eval batches) --------
     torch.manual_seed(args.seed)  # the same initial weights on every rank and world size
@@ -369,7 +399,7 @@ def main(argv=None):
     log(f'{args.model}: {sum(p.numel() for p in model.parameters()):,} parameters, {num_classes} classes, '
         f'{args.img_size} px, norm {args.norm}, {world} process(es) on {device.type}, amp {proc.amp}')
     if args.eval_only:
-        res = score(eval_model, on_device(val_loader, device, fmt), proc.autocast, distributed)
+        res = score(eval_model, on_device(val_loader, mean, std, fmt), proc.autocast, distributed)
         log(f'eval {args.checkpoint} | test loss {res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% '
             f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
         leave(distributed)
@@ -394,18 +424,21 @@ def main(argv=None):
     try:
         for epoch in range(step // steps, math.ceil(stop / steps)):  # counted from 0 here, from 1 in the logs
             start = step % steps  # > 0: the rest of an epoch saved mid-way
-            seed_epoch(args.seed, epoch, rank, start, worker_seeds)
+            seed_epoch(args.seed, epoch, rank, start)
             sampler.set_epoch(epoch)
             sampler.start = start
             t_epoch = t_window = time.time()
             window, n_window, epoch_loss = torch.zeros((), device=device), 0, 0.0  # loss sum, steps
             train_model.train()
-            for x, y in itertools.islice(on_device(train_loader, device, fmt), min(stop - step, steps - start)):
-                x, y = mix(x, y) if mix is not None else (x, y)  # mixup/cutmix: y -> (B, classes)
+            batches = train_loader if args.synthetic else on_device(train_loader, mean, std, fmt)
+            for micro in itertools.islice(zip(*[iter(batches)] * k), min(stop - step, steps - start)):  # k at a time
+                # per micro-batch, as timm with accumulation: erasing per image, then mixup/cutmix (y -> (b, classes))
+                micro = [(random_erasing(x, args.reprob) if args.reprob > 0 else x, y) for x, y in micro]
+                micro = [mix(x, y) if mix is not None else (x, y) for x, y in micro]
                 lr = lr_at(step, args.lr, args.sched, args.warmup_steps, args.epochs, steps)
                 for group in optimizer.param_groups:
                     group['lr'] = lr
-                loss = train_step(train_model, optimizer, scaler, list(zip(x.chunk(k), y.chunk(k))), sam=args.sam,
+                loss = train_step(train_model, optimizer, scaler, micro, sam=args.sam,
                                   clip_grad=args.clip_grad, label_smoothing=args.label_smoothing, amp_dtype=amp_dtype,
                                   sam_m=m)
                 step, n_window, window = step + 1, n_window + 1, window + loss
@@ -435,7 +468,7 @@ def main(argv=None):
             if distributed:  # BatchNorm statistics: evaluate rank 0's, the ones the checkpoint holds
                 for b in model.buffers():
                     dist.broadcast(b, 0)
-            res = score(eval_model, on_device(val_loader, device, fmt), proc.autocast, distributed)
+            res = score(eval_model, on_device(val_loader, mean, std, fmt), proc.autocast, distributed)
             if not math.isfinite(res['loss']):
                 raise UserError(f'training diverged: the weights after epoch {epoch + 1} (step {step}) give a '
                                 f'non-finite test loss; {since_checkpoint(saved, "step")}')

@@ -2,6 +2,7 @@
 environment, device, mixed precision), the run folder, atomic writes, resume, exact evaluation, teardown.
 Nothing here is part of an algorithm: the scripts keep their training loops (and the SAM step) written out."""
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -24,7 +25,7 @@ EXTRAS = 'pip install -r requirements-extras.txt'
 
 
 class UserError(Exception):  # a mistake in the command line or the files it names: one line, exit 1
-    pass
+    """Each script catches it in __main__ and exits with `SCRIPT: error: MESSAGE`."""
 
 
 def one_line(e):  # an exception's message on one line
@@ -91,11 +92,13 @@ def setup(amp='auto'):
     return Process(rank, local_rank, world, device, amp, dtype, autocast, world > 1)
 
 
-def init_group(proc):
-    """The process group under torchrun: nccl bound to this process's GPU, gloo on CPUs. No-op alone."""
+def init_group(proc, timeout_min=60):
+    """torchrun's process group: nccl on this process's GPU (not guessed from the global rank), gloo on CPUs; a
+    timeout for ranks that wait while rank 0 saves or evaluates (NCCL's default: 10 minutes). No-op alone."""
     if proc.ddp:
         cuda = proc.device.type == 'cuda'
-        dist.init_process_group('nccl' if cuda else 'gloo', device_id=proc.device if cuda else None)
+        dist.init_process_group('nccl' if cuda else 'gloo', device_id=proc.device if cuda else None,
+                                timeout=datetime.timedelta(minutes=timeout_min))
 
 
 @contextlib.contextmanager
@@ -109,9 +112,8 @@ def rank_zero_first(proc):
 
 
 def wrap_ddp(model, proc):  # DistributedDataParallel under torchrun (on its GPU, or the CPU), else the model
-    if not proc.ddp:
-        return model
-    return torch.nn.parallel.DistributedDataParallel(model, [proc.device] if proc.device.type == 'cuda' else None)
+    ids = [proc.device] if proc.device.type == 'cuda' else None
+    return torch.nn.parallel.DistributedDataParallel(model, ids) if proc.ddp else model
 
 
 def leave(distributed):
@@ -196,7 +198,6 @@ def restore(ckpt, opt, scaler, args, not_inherited, log):
     return ckpt['epoch'], ckpt['step'], ckpt['history']
 
 
-# ----- Divergence, interruption, exact evaluation.
 def check_finite(first_bad, steps, saved, unit='epoch', distributed=False):
     """Stop on divergence. first_bad: the first step with a non-finite loss, or NO_STEP; reading it syncs;
     distributed (a collective, on every rank): the first of all ranks."""

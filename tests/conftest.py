@@ -10,6 +10,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the experiment files live flat at the top level
 
+# The suite's asserts are calibrated on the CPU in fp32 (bit-identical resumes, exact DDP evaluation, oracles to
+# 1e-6): hide every GPU from the in-process tests and, through the environment, from the torchrun and script
+# subprocesses (which would otherwise put rank 1 on cuda:1 and autocast in bf16). Set before any test touches
+# CUDA (torch initialises it lazily). A test written for CUDA would run in a subprocess with its own environment.
+os.environ['CUDA_VISIBLE_DEVICES'] = ''
+
 # ../shared/data beside the checkout (CI lays a copy of shared/ beside its clone too).
 CIFAR_TARBALL = Path(os.environ.get('CIFAR10_TARBALL',
                                     REPO.parent / 'shared' / 'data' / 'cifar10-jpeg.tar.gz'))

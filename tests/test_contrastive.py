@@ -312,3 +312,17 @@ def test_bad_input_subprocess(tmp_path):
         assert p.returncode == 1 and 'Traceback' not in err
         assert len(err.strip().splitlines()) == 1 and err.startswith('train_contrastive.py: error: '), err
     assert (tmp_path / 'run' / 'last.pt').read_bytes() == b'x'
+
+
+def test_infonce_logits_are_fp32_under_bf16_autocast():
+    """At tau = 0.2 the logits q.k / tau are ~5 apart at most: in bf16 (8 bits of mantissa) they resolve to ~0.02,
+    so the loss under the training autocast must equal the fp32 one (it did not when the matmul ran in bf16)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+    want = tc.contrastive_loss(q, k, 0.2)
+    with torch.autocast('cpu', torch.bfloat16):
+        got = tc.contrastive_loss(q.bfloat16(), k.bfloat16(), 0.2)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, tc.contrastive_loss(q.bfloat16().float(), k.bfloat16().float(), 0.2),
+                               rtol=1e-6, atol=1e-6)
+    assert abs(got - want) < 0.05  # (the inputs themselves were rounded to bf16)

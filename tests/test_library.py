@@ -159,3 +159,33 @@ def test_load_weights_converts_locuslab_convmixer_keys(tmp_path):
     models.load_weights(target, tmp_path / 'locuslab.pth.tar')
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(target.eval()(x), source.eval()(x))
+
+
+# -----------------------------------------------------------------------------
+# Where a process runs (issue: GPU-ready without a GPU), observable on the CPU.
+def test_the_suite_hides_every_gpu():
+    """The asserts are calibrated on the CPU in fp32: conftest hides GPUs from this process and, through the
+    environment, from every torchrun and script subprocess (which would put rank 1 on cuda:1, autocast in bf16)."""
+    import os
+    assert os.environ['CUDA_VISIBLE_DEVICES'] == '' and not torch.cuda.is_available()
+
+
+def test_setup_refuses_more_processes_than_gpus(monkeypatch):
+    import utils
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    monkeypatch.setenv('LOCAL_RANK', '1')
+    with pytest.raises(utils.UserError, match=r'LOCAL_RANK 1, but this machine has 1 GPU\(s\): pass --nproc_per_node'):
+        utils.setup()
+
+
+def test_nccl_is_bound_to_the_process_gpu_with_a_timeout(monkeypatch):
+    """device_id: NCCL would otherwise guess the GPU from the global rank (wrong on multi-node runs with fewer
+    processes than GPUs per node); the timeout: ranks wait while rank 0 saves or evaluates."""
+    import datetime
+    import utils
+    seen = {}
+    monkeypatch.setattr(utils.dist, 'init_process_group', lambda backend, **kw: seen.update(backend=backend, **kw))
+    proc = utils.Process(9, 1, 16, torch.device('cuda', 1), 'bf16', torch.bfloat16, None, True)
+    utils.init_group(proc)
+    assert seen == dict(backend='nccl', device_id=torch.device('cuda', 1), timeout=datetime.timedelta(minutes=60))

@@ -254,7 +254,7 @@ def test_mid_epoch_resume_keeps_the_data_order_and_ctrl_c_says_how_to_resume(tin
 
     def getitem(self, index):
         if self.root.endswith('train'):
-            seen.append(index)
+            seen.append(index[0])  # (index, the seed of its augmentation)
         return real_getitem(self, index)
     monkeypatch.setattr(ti.ImageFolder, '__getitem__', getitem)
     argv = ['--data', tiny_imagenet] + TINY_VIT + SCHEDULE + ['--workers', 0, '--save-every', 4]
@@ -345,7 +345,7 @@ def test_sampler_steps_and_order_do_not_depend_on_world_size(n, batch):
             sampler = ti.ResumableSampler(n, world, r, seed=0, per_step=batch // world)
             sampler.set_epoch(3)
             sampler.start = start
-            per_rank.append(list(sampler))
+            per_rank.append([i for i, _ in sampler])  # (index, the seed of its augmentation)
             assert len(per_rank[-1]) == len(sampler) == (n // batch - start) * (batch // world)
         b = batch // world
         return [sorted(i for p in per_rank for i in p[s * b:(s + 1) * b]) for s in range(n // batch - start)]
@@ -608,19 +608,42 @@ def test_convmixer_recipe_randaugment_is_timms_m9_on_both_scripts_scale():
     """timm's rand-m9 scales each op's maximum by m / 10 = 0.9. --randaug-m is torchvision's bin of 0..30 (as in
     train_cifar.py), so the recipe's default must land on the same 0.9, and the op gets the recipe's n."""
     args = ti.get_args(['--synthetic', '--recipe', 'convmixer'])
-    ra = [t for t in ti.train_transform(args, *ti.MEANS[args.norm]).transforms if type(t).__name__ == 'RandAugment']
+    ra = [t for t in ti.train_transform(args, ti.MEANS[args.norm][0]).transforms if type(t).__name__ == 'RandAugment']
     assert len(ra) == 1 and ra[0].num_ops == 2 == args.randaug_n
     assert torch.linspace(0.0, 1.0, ra[0].num_magnitude_bins)[ra[0].magnitude].item() == pytest.approx(9 / 10)
 
 
 def test_each_rank_draws_its_own_augmentation_and_a_resume_draws_the_same():
-    def draws(epoch, rank, start=0):
-        g = torch.Generator()
-        ti.seed_epoch(0, epoch, rank, start, g)
-        return torch.cat([torch.rand(8), torch.rand(8, generator=g)])  # mixup/dropout, the loader workers
+    def draws(epoch, rank, start=0):  # mixup, erasing, dropout: this process's RNG
+        ti.seed_epoch(0, epoch, rank, start)
+        return torch.rand(8)
     assert torch.equal(draws(3, 1), draws(3, 1))
     for other in (draws(3, 0), draws(4, 1), draws(3, 1, start=5)):
         assert not torch.isclose(draws(3, 1), other).any()
+
+    def seeds(world, epoch):  # each image's crop/flip/RandAugment seed, gathered over the ranks
+        out = {}
+        for r in range(world):
+            sampler = ti.ResumableSampler(96, world, r, seed=0, per_step=12 // world)
+            sampler.set_epoch(epoch)
+            out.update(sampler)
+        return out
+    assert seeds(1, 3) == seeds(2, 3) == seeds(3, 3)  # the same image, the same draws, whatever the world size
+    assert len(set(seeds(1, 3).values())) == 96 and not set(seeds(1, 3).values()) & set(seeds(1, 4).values())
+
+
+def test_an_images_augmentation_comes_from_its_own_seed_whatever_the_worker(tiny_imagenet):
+    """(index, seed) -> the same uint8 image in the main process and in 2 loader workers, with any batch size;
+    another seed draws another crop; the caller's RNG is left as it was."""
+    args = ti.get_args(['--data', str(tiny_imagenet), '--img-size', '32', '--recipe', 'convmixer'])
+    ds = ti.ImageFolder(tiny_imagenet, 'train', ti.train_transform(args, ti.MEANS['imagenet'][0]), 32)
+    items = [(i, 1000 + i) for i in range(0, 60, 5)]
+    state = torch.get_rng_state()
+    alone = torch.stack([ds[it][0] for it in items])
+    assert torch.equal(torch.get_rng_state(), state) and alone.dtype == torch.uint8
+    loader = torch.utils.data.DataLoader(ds, batch_size=5, sampler=items, num_workers=2)
+    assert torch.equal(torch.cat([x for x, _ in loader]), alone)
+    assert not torch.equal(torch.stack([ds[(i, s + 1)][0] for i, s in items]), alone)
 
 
 # -----------------------------------------------------------------------------------------------
