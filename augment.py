@@ -233,6 +233,25 @@ def resized_crop_rect_flip(x, top, left, height, width, size, flip):
     return F.grid_sample(x, grid.to(x.dtype), mode='bilinear', padding_mode='border', align_corners=False).round_()
 
 
+def random_erasing(x, p):  # (train_imagenet.py; make_augment has its own, value 0, on its generator)
+    """timm's RandomErasing in 'pixel' mode on the device, per image of a normalised batch (B, 3, H, W): with
+    probability p a box of 2-33% of the area, aspect ratio log-uniform in (0.3, 3.3), the first of 10 draws that
+    fits (torchvision's v2.RandomErasing draws), at a uniform position, filled with N(0, 1) noise. No host sync."""
+    (B, _, H, W), dev = x.shape, x.device
+    area = H * W * torch.empty(B, 10, device=dev).uniform_(0.02, 0.33)
+    ratio = torch.empty(B, 10, device=dev).uniform_(math.log(0.3), math.log(3.3)).exp()
+    h, w = (area * ratio).sqrt().round(), (area / ratio).sqrt().round()
+    fits = (h < H) & (w < W)
+    first = fits.int().argmax(1, keepdim=True)
+    h, w = h.gather(1, first), w.gather(1, first)  # (B, 1)
+    top = (torch.rand(B, 1, device=dev) * (H - h + 1)).floor()
+    left = (torch.rand(B, 1, device=dev) * (W - w + 1)).floor()
+    rows, cols = torch.arange(H, device=dev)[None, :], torch.arange(W, device=dev)[None, :]
+    box = ((rows >= top) & (rows < top + h))[:, :, None] & ((cols >= left) & (cols < left + w))[:, None, :]
+    on = (torch.rand(B, device=dev) < p) & fits.any(1)
+    return torch.where((box & on[:, None, None])[:, None], torch.randn_like(x), x)
+
+
 def normalize(x, mean, std):
     """ToTensor + Normalize: (B, 3, H, W) values 0..255 -> float32; mean, std: (1, 3, 1, 1) tensors."""
     return x.float().div(255).sub_(mean).div_(std)

@@ -4,6 +4,7 @@ CIFAR-10/100: decoded once into uint8 tensors (N, 3, 32, 32), from torchvision's
 DIR/{train,test}/<class>/*, with class-balanced subsets; evaluated from the device, exactly under DDP.
 ImageNet-style folders: DIR/{train,val}/<wnid>/*, read by torchvision's ImageFolder in loader workers.
 """
+import itertools
 import os
 from pathlib import Path
 
@@ -161,6 +162,18 @@ class ResumableSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self):
         return (self.steps - self.start) * self.per_step
+
+
+class OneBatch:
+    """--synthetic: one random, normalised batch made once on the device and served every step: the model's speed,
+    not the loader's."""
+
+    def __init__(self, size, img_size, num_classes, device):
+        self.batch = (torch.randn(size, 3, img_size, img_size, device=device),
+                      torch.randint(0, num_classes, (size,), device=device))
+
+    def __iter__(self):
+        return itertools.repeat(self.batch)
 
 
 def folder_samples(root, subset=0):

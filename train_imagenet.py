@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from data import LAYOUT, MEANS, ImageFolder, ResumableSampler, eval_transform, on_device
+from augment import random_erasing
+from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform, on_device
 from models import build_model, load_weights, parse_model_kw
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
@@ -173,41 +174,9 @@ def train_transform(args, mean):
     return v2.Compose(t + [v2.PILToTensor()])
 
 
-def random_erasing(x, p):
-    """timm's RandomErasing in 'pixel' mode on the device, per image of a normalised batch (B, 3, H, W): with
-    probability p a box of 2-33% of the area, aspect ratio log-uniform in (0.3, 3.3), the first of 10 draws that
-    fits (torchvision's v2.RandomErasing draws), at a uniform position, filled with N(0, 1) noise. No host sync."""
-    (B, _, H, W), dev = x.shape, x.device
-    area = H * W * torch.empty(B, 10, device=dev).uniform_(0.02, 0.33)
-    ratio = torch.empty(B, 10, device=dev).uniform_(math.log(0.3), math.log(3.3)).exp()
-    h, w = (area * ratio).sqrt().round(), (area / ratio).sqrt().round()
-    fits = (h < H) & (w < W)
-    first = fits.int().argmax(1, keepdim=True)
-    h, w = h.gather(1, first), w.gather(1, first)  # (B, 1)
-    top = (torch.rand(B, 1, device=dev) * (H - h + 1)).floor()
-    left = (torch.rand(B, 1, device=dev) * (W - w + 1)).floor()
-    rows, cols = torch.arange(H, device=dev)[None, :], torch.arange(W, device=dev)[None, :]
-    box = ((rows >= top) & (rows < top + h))[:, :, None] & ((cols >= left) & (cols < left + w))[:, None, :]
-    on = (torch.rand(B, device=dev) < p) & fits.any(1)
-    return torch.where((box & on[:, None, None])[:, None], torch.randn_like(x), x)
-
-
-class OneBatch:
-    """--synthetic: one random, normalised batch made once on the device and served every step: the model's speed,
-    not the loader's."""
-
-    def __init__(self, size, img_size, num_classes, device):
-        self.batch = (torch.randn(size, 3, img_size, img_size, device=device),
-                      torch.randint(0, num_classes, (size,), device=device))
-
-    def __iter__(self):
-        return itertools.repeat(self.batch)
-
-
 def seed_epoch(seed, epoch, rank, start):
-    """Re-seed this process's RNG from (seed, epoch, rank, first step), for mixup, erasing and dropout: a resume at
-    an epoch boundary draws exactly what the uninterrupted run drew, and every rank draws its own. (Each image's
-    crop, flip and RandAugment come from its own seed, from (seed, epoch, index): data.ResumableSampler.)"""
+    """Re-seed this process's RNG (mixup, erasing, dropout) from (seed, epoch, rank, first step): a resume at an epoch
+    boundary draws what the uninterrupted run drew. (Crops, flips, RandAugment: per image, data.ResumableSampler.)"""
     torch.manual_seed(epoch_seed(seed, epoch, rank, start))
 
 
@@ -349,8 +318,7 @@ def make_optimizer(args, model):
 
 
 def resume(args, model, optimizer, scaler, steps, log):
-    """--resume: weights, optimizer, GradScaler, step and history (the RNGs are re-seeded in the loop).
-    -> (step, history)"""
+    """--resume: weights, optimizer, GradScaler, step, history (the loop re-seeds the RNGs). -> (step, history)"""
     ckpt = read_checkpoint(args.resume, '--resume')
     old = ckpt['args']
     if ckpt['steps_per_epoch'] != steps or old['batch_size'] != args.batch_size:
