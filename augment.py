@@ -15,15 +15,15 @@ checks it against torchvision's own RandAugment draws). locuslab runs the PIL op
 One code path for CPU and CUDA, without host syncs: every op takes per-image parameters, and an image
 that did not draw an op gets its identity parameter (factor 1, 8 bits, threshold 256, the identity
 matrix), which leaves it bit-exact; no op needs the list of images that drew it (boolean indexing
-waits for the GPU). The price: every RandAugment stage runs on every image, arithmetic that a GPU hides
-behind the model's forward pass; what it cannot hide is a kernel launch per op (a few microseconds each,
-for tensors of a few MB). So ops that share a form run as one: the five geometric ones as one float64 grid
-and one grid_sample, brightness/color/contrast/sharpness as one blend, and scale 1 skips the crop (the
-identity). Launches per batch, any batch size, default recipe (strong, scale 1, RandAugment(2, 12)):
-360 before, 201 now; 'basic' 17; locuslab's (scale 0.75, RandAugment(1, 8), jitter 0.1, reprob 0.25):
-375 before, 312 now. Counted on the CPU with torch.profiler (tests/test_augment.py count_launches):
+waits for the GPU). The price: every stage runs on every image, arithmetic that a GPU hides behind the
+model's forward pass; what it cannot hide is a kernel launch per op (microseconds each, for tensors of a
+few MB). So ops of one form run as one: RandAugment's five geometric ops as one float64 grid and one
+grid_sample; brightness, color, contrast and sharpness as one blend (ColorJitter's three too); scale 1
+skips the crop (the identity). Launches per batch, any batch size: default recipe (strong, scale 1,
+RandAugment(2, 12)) 360 before, 201 now; 'basic' 17; locuslab's (scale 0.75, RandAugment(1, 8), jitter
+0.1, reprob 0.25) 375 before, 258 now. Counted on the CPU with torch.profiler (tests/test_augment.py count_launches):
     python -c "import torch; from tests.test_augment import count_launches, make; a = make()
-    print(count_launches(lambda: a(torch.zeros(64, 3, 32, 32, dtype=torch.uint8))))"
+    x = torch.zeros(64, 3, 32, 32, dtype=torch.uint8); print(count_launches(lambda: a(x)))"
 
 TF32 (on in the training scripts) rounds float32 matmul and cuDNN conv inputs to 10 bits; no op here
 depends on it: the affine grid is float64, sharpness's blur a box sum, gaussian_blur's conv runs with it off.
@@ -43,26 +43,9 @@ def per_image(v):  # (B,) -> (B, 1, 1, 1) float32
     return v.float().view(-1, 1, 1, 1)
 
 
-def blend(x, other, f):
-    """torchvision's _blend: x*f + other*(1-f), clamped, truncated as the cast to uint8 does."""
-    return torch.addcmul(x * per_image(f), other, per_image(1.0 - f)).clamp_(0, 255).floor_()
-
-
 def grayscale(x):  # (B, 3, H, W) -> (B, 1, H, W): ITU-R 601-2 luma in torchvision's order, truncated
     r, g, b = x.unbind(1)
     return r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114).floor_().unsqueeze(1)
-
-
-def adjust_brightness(x, f):
-    return (x * per_image(f)).clamp_(0, 255).floor_()  # a blend with black
-
-
-def adjust_saturation(x, f):
-    return blend(x, grayscale(x), f)
-
-
-def adjust_contrast(x, f):
-    return blend(x, grayscale(x).mean(dim=(1, 2, 3), keepdim=True), f)
 
 
 def smooth(x):
@@ -73,6 +56,23 @@ def smooth(x):
     (torch.backends.cudnn.allow_tf32, on in the training scripts) cannot round the weights to 10 bits."""
     box = F.avg_pool2d(x, 3, stride=1)  # the 3x3 sum / 9
     return torch.add(box, x[:, :, 1:-1, 1:-1], alpha=4 / 9).mul_(9 / 13).round_()  # (sum + 4 * centre) / 13
+
+
+def blend_ops(x, f, saturation, contrast, sharpness=None):
+    """Brightness, saturation (RandAugment's Color), contrast and sharpness as one blend x * f + other * (1 - f),
+    torchvision's formulas: image b blends with 0, its grey image, that image's mean or (inner pixels,
+    x + (smooth - x) * (1 - f), torchvision's form; x * 1 is exact) its SMOOTH blur, by its factor f[b] ((B,)
+    float64; 1 is the identity). saturation, contrast, sharpness: (B,) bool, the images taking that op (the
+    others take brightness). One pass for the four ops: an image takes one of them, the rest are identities."""
+    B = len(x)
+    gray = grayscale(x)
+    other = torch.where(saturation.view(B, 1, 1, 1), gray, torch.where(
+        contrast.view(B, 1, 1, 1), gray.mean(dim=(1, 2, 3), keepdim=True), 0.0))
+    a = f
+    if sharpness is not None:
+        other = torch.where(sharpness.view(B, 1, 1, 1), F.pad(smooth(x) - x[:, :, 1:-1, 1:-1], (1, 1, 1, 1)), other)
+        a = torch.where(sharpness, 1.0, f)
+    return torch.addcmul(x * per_image(a), other, per_image(1.0 - f)).clamp_(0, 255).floor_()  # floor: uint8 cast
 
 
 def posterize(x, bits):  # keep the top `bits` bits (8 = identity)
@@ -158,31 +158,22 @@ def apply_ra_ops(x, op, magnitude):
     """Image b gets the RandAugment op RA_OPS[op[b]] at the signed magnitude[b] ((B,) float64: the
     factor - 1, the shear, pixels, degrees, bits or threshold). Every image goes through every stage; the
     images that did not draw its op get its identity parameter, so the result is exact (module docstring).
-    Ops that share a form run as one: the five geometric ones as one grid_sample, the four blends
-    (Brightness, Color, Contrast, Sharpness) as one x * a + other * (1 - f)."""
+    Ops that share a form run as one: the five geometric ones as one grid_sample, the four blends as one."""
     B, _, H, W = x.shape
     drew = op[:, None] == torch.arange(len(RA_OPS), device=op.device)  # (B, 14): image b drew op k
     p = drew * magnitude[:, None]  # (B, 14) float64: the drawn op's magnitude, 0 elsewhere
-    picked = {name: drew[:, k].view(B, 1, 1, 1) for k, name in enumerate(RA_OPS)}
     # ShearX, ShearY, TranslateX, TranslateY, Rotate: one nearest-neighbour grid_sample, zero fill
     a = torch.deg2rad(p[:, 5])
     grid = torch.cat([torch.stack([a.cos(), a.sin()], 1), p[:, 1:5]], 1) @ affine_basis(H, W, x.device)
     x = F.grid_sample(x, grid.view(B, H, W, 2).float(), mode='nearest', padding_mode='zeros', align_corners=False)
-    # Brightness: blend with 0; Color: with the grey image; Contrast: with its mean; Sharpness: the inner
-    # pixels x + (smooth - x) * (1 - f), torchvision's own form (x * 1 is exact). f = 1: the identity.
-    f = 1.0 + p[:, 6:10].sum(1)  # the drawn factor, 1 elsewhere (the others' zeros add nothing)
-    gray = grayscale(x)
-    other = torch.where(picked['Color'], gray, torch.where(
-        picked['Contrast'], gray.mean(dim=(1, 2, 3), keepdim=True), torch.where(
-            picked['Sharpness'], F.pad(smooth(x) - x[:, :, 1:-1, 1:-1], (1, 1, 1, 1)), 0.0)))
-    x = torch.addcmul(x * per_image(torch.where(drew[:, 9], 1.0, f)), other, per_image(1.0 - f))
-    x = x.clamp_(0, 255).floor_()  # the cast to uint8 truncates
+    # Brightness, Color, Contrast, Sharpness: one blend; f = 1 (the others' zeros add nothing): the identity
+    x = blend_ops(x, 1.0 + p[:, 6:10].sum(1), drew[:, 7], drew[:, 8], drew[:, 9])
     x = posterize(x, torch.where(drew[:, 10], magnitude, 8.0))
     x = solarize(x, torch.where(drew[:, 11], magnitude, 256.0))
     # AutoContrast, Equalize: torchvision's own (batched there), picked per image on uint8
     x_u8 = x.to(torch.uint8)
-    return torch.where(picked['AutoContrast'], TF.autocontrast(x_u8),
-                       torch.where(picked['Equalize'], TF.equalize(x_u8), x_u8)).float()
+    return torch.where(drew[:, 12].view(B, 1, 1, 1), TF.autocontrast(x_u8),
+                       torch.where(drew[:, 13].view(B, 1, 1, 1), TF.equalize(x_u8), x_u8)).float()
 
 
 # ----------------------------------------------------------------------------- MoCo v3 views (train_contrastive.py)
@@ -216,9 +207,9 @@ def color_jitter(x, factors, order):
     a per-image order (B, 4) (a permutation of 0..3 per row): slot s of image b runs op order[b, s]."""
     B = len(x)
     for slot in range(4):
-        for k, fn in enumerate((adjust_brightness, adjust_contrast, adjust_saturation)):
-            x = fn(x, torch.where(order[:, slot] == k, factors[:, k], 1.0))  # factor 1: the exact identity
-        x = torch.where((order[:, slot] == 3).view(B, 1, 1, 1), adjust_hue(x, factors[:, 3].float().view(B, 1, 1)), x)
+        k = order[:, slot]  # 0 brightness, 1 contrast, 2 saturation (one blend, factor 1 for hue: the identity)
+        x = blend_ops(x, torch.where(k == 3, 1.0, factors.gather(1, k[:, None])[:, 0]), k == 2, k == 1)
+        x = torch.where((k == 3).view(B, 1, 1, 1), adjust_hue(x, factors[:, 3].float().view(B, 1, 1)), x)
     return x
 
 
@@ -319,8 +310,8 @@ class Augment:
         v = ((2 * self.rand(B, 3, dtype=torch.float64) - 1) * self.jitter).clamp(min=-1.0)
         order = self.rand(B, 3).argsort(1)  # image b's slot s runs op order[b, s]
         for slot in range(3):
-            for k, fn in enumerate((adjust_brightness, adjust_contrast, adjust_saturation)):
-                x = fn(x, 1.0 + torch.where(order[:, slot] == k, v[:, k], 0.0))  # 0: the identity
+            k = order[:, slot]  # 0 brightness, 1 contrast, 2 saturation: one blend
+            x = blend_ops(x, 1.0 + v.gather(1, k[:, None])[:, 0], saturation=k == 2, contrast=k == 1)
         return x
 
     def random_erasing(self, x):
