@@ -15,9 +15,21 @@ checks it against torchvision's own RandAugment draws). locuslab runs the PIL op
 One code path for CPU and CUDA, without host syncs: every op takes per-image parameters, and an image
 that did not draw an op gets its identity parameter (factor 1, 8 bits, threshold 256, the identity
 matrix), which leaves it bit-exact; no op needs the list of images that drew it (boolean indexing
-waits for the GPU). The price: all 14 RandAugment ops run on every image (the five geometric ones as
-one grid_sample), arithmetic that a GPU hides behind the model's forward pass.
+waits for the GPU). The price: every stage runs on every image, arithmetic that a GPU hides behind the
+model's forward pass; what it cannot hide is a kernel launch per op (microseconds each, for tensors of a
+few MB). So ops of one form run as one: RandAugment's five geometric ops as one float64 grid and one
+grid_sample; brightness, color, contrast and sharpness as one blend (ColorJitter's three too); scale 1
+skips the crop (the identity). Launches per batch, any batch size: default recipe (strong, scale 1,
+RandAugment(2, 12)) 360 before, 201 now; 'basic' 17; locuslab's (scale 0.75, RandAugment(1, 8), jitter
+0.1, reprob 0.25) 375 before, 258 now. Counted on the CPU with torch.profiler (tests/test_augment.py count_launches):
+    python -c "import torch; from tests.test_augment import count_launches, make; a = make()
+    x = torch.zeros(64, 3, 32, 32, dtype=torch.uint8); print(count_launches(lambda: a(x)))"
+
+TF32 (on in the training scripts) rounds float32 matmul and cuDNN conv inputs to 10 bits; no op here
+depends on it: the affine grid is float64, sharpness's blur a box sum, gaussian_blur's conv runs with it off.
 """
+import contextlib
+import functools
 import math
 
 import torch
@@ -31,37 +43,36 @@ def per_image(v):  # (B,) -> (B, 1, 1, 1) float32
     return v.float().view(-1, 1, 1, 1)
 
 
-def blend(x, other, f):
-    """torchvision's _blend: x*f + other*(1-f), clamped, truncated as the cast to uint8 does."""
-    return torch.addcmul(x * per_image(f), other, per_image(1.0 - f)).clamp_(0, 255).floor_()
-
-
 def grayscale(x):  # (B, 3, H, W) -> (B, 1, H, W): ITU-R 601-2 luma in torchvision's order, truncated
     r, g, b = x.unbind(1)
     return r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114).floor_().unsqueeze(1)
 
 
-def adjust_brightness(x, f):
-    return (x * per_image(f)).clamp_(0, 255).floor_()  # a blend with black
+def smooth(x):
+    """PIL's SMOOTH filter as torchvision's adjust_sharpness has it (3x3: 1/13 around, 5/13 in the centre),
+    rounded: (B, 3, H, W) integers -> (B, 3, H-2, W-2). A box sum, not torchvision's conv2d: the exact value is
+    N/13 for an integer N, never within 1/26 of a half-integer, and both sums err by < 1e-2 (fp32 on values
+    <= 255 * 13), so both round to the same integer; and a pooling runs no cuDNN/cuBLAS kernel, so TF32
+    (torch.backends.cudnn.allow_tf32, on in the training scripts) cannot round the weights to 10 bits."""
+    box = F.avg_pool2d(x, 3, stride=1)  # the 3x3 sum / 9
+    return torch.add(box, x[:, :, 1:-1, 1:-1], alpha=4 / 9).mul_(9 / 13).round_()  # (sum + 4 * centre) / 13
 
 
-def adjust_saturation(x, f):
-    return blend(x, grayscale(x), f)
-
-
-def adjust_contrast(x, f):
-    return blend(x, grayscale(x).mean(dim=(1, 2, 3), keepdim=True), f)
-
-
-def adjust_sharpness(x, f):
-    """Blend with PIL's SMOOTH filter (3x3: 1/13 around, 5/13 in the centre); border pixels stay."""
-    kernel = torch.full((3, 1, 3, 3), 1 / 13, dtype=x.dtype, device=x.device)
-    kernel[:, :, 1, 1] = 5 / 13
-    blurred = F.conv2d(x, kernel, groups=3).round_()
-    out = x.clone()
-    inner = out[:, :, 1:-1, 1:-1]
-    inner.copy_(torch.addcmul(inner, blurred - inner, per_image(1.0 - f)))
-    return out.clamp_(0, 255).floor_()
+def blend_ops(x, f, saturation, contrast, sharpness=None):
+    """Brightness, saturation (RandAugment's Color), contrast and sharpness as one blend x * f + other * (1 - f),
+    torchvision's formulas: image b blends with 0, its grey image, that image's mean or (inner pixels,
+    x + (smooth - x) * (1 - f), torchvision's form; x * 1 is exact) its SMOOTH blur, by its factor f[b] ((B,)
+    float64; 1 is the identity). saturation, contrast, sharpness: (B,) bool, the images taking that op (the
+    others take brightness). One pass for the four ops: an image takes one of them, the rest are identities."""
+    B = len(x)
+    gray = grayscale(x)
+    other = torch.where(saturation.view(B, 1, 1, 1), gray, torch.where(
+        contrast.view(B, 1, 1, 1), gray.mean(dim=(1, 2, 3), keepdim=True), 0.0))
+    a = f
+    if sharpness is not None:
+        other = torch.where(sharpness.view(B, 1, 1, 1), F.pad(smooth(x) - x[:, :, 1:-1, 1:-1], (1, 1, 1, 1)), other)
+        a = torch.where(sharpness, 1.0, f)
+    return torch.addcmul(x * per_image(a), other, per_image(1.0 - f)).clamp_(0, 255).floor_()  # floor: uint8 cast
 
 
 def posterize(x, bits):  # keep the top `bits` bits (8 = identity)
@@ -74,31 +85,24 @@ def solarize(x, threshold):  # invert pixels >= threshold (256 = identity)
 
 
 # ----------------------------------------------------------------------------- Geometry
-# Per-image affine maps, applied as torchvision does: inverse map on pixel centres, nearest, zero fill.
-def geometric_matrix(shear_x, shear_y, translate_x, translate_y, angle, H, W):
-    """Per-image inverse affine maps (B, 2, 3) of torchvision's RandAugment geometry: output pixel
-    (x, y), centred on the image middle, reads input (x', y'). All-zero arguments give the identity;
-    each image has at most one non-zero argument.
-
-    ShearX about the top-left pixel (torchvision's center=[0, 0]): x' = x + s * (y + H/2); ShearY
-    likewise; Translate by t: x' = x - t; Rotate by `angle` degrees about the image centre.
-    """
-    a = torch.deg2rad(angle)
-    cos, sin = torch.cos(a), torch.sin(a)
-    return torch.stack([torch.stack([cos, shear_x - sin, shear_x * H / 2 - translate_x], -1),
-                        torch.stack([shear_y + sin, cos, shear_y * W / 2 - translate_y], -1)], 1)
-
-
-def affine_grid_sample(x, matrix):
-    """torchvision's _affine_grid + grid_sample, batched: one (B, 2, 3) map per image."""
-    B, _, H, W = x.shape
-    xs = torch.linspace((1 - W) / 2, (W - 1) / 2, W, dtype=x.dtype, device=x.device)
-    ys = torch.linspace((1 - H) / 2, (H - 1) / 2, H, dtype=x.dtype, device=x.device)
-    base = torch.stack([xs.expand(H, W), ys[:, None].expand(H, W), torch.ones(H, W, dtype=x.dtype,
-                                                                            device=x.device)], -1)
-    theta = torch.stack([matrix[:, 0] / (W / 2), matrix[:, 1] / (H / 2)], 2).to(x.dtype)  # (B, 3, 2)
-    grid = base.view(1, H * W, 3).expand(B, -1, -1).bmm(theta).view(B, H, W, 2)  # [x, y, 1] @ theta
-    return F.grid_sample(x, grid, mode='nearest', padding_mode='zeros', align_corners=False).round_()
+@functools.lru_cache(maxsize=16)
+def affine_basis(H, W, device):
+    """(6, H*W*2) float64: grid = coef @ basis is torchvision's affine grid (_affine_grid: pixel centres,
+    normalised for grid_sample with align_corners=False) of the per-image maps coef (B, 6) =
+    (cos a, sin a, shear_x, shear_y, translate_x, translate_y), RandAugment's five geometric ops. Output pixel
+    (x, y), centred on the image middle, reads input pixel (x', y') (torchvision's inverse map):
+        x' = cos * x - sin * y + shear_x * (y + H/2) - translate_x   (ShearX about the top-left pixel:
+        y' = sin * x + cos * y + shear_y * (x + W/2) - translate_y    torchvision's center=[0, 0])
+    All-zero shears and translations with a = 0 give the identity. float64: one matmul of the batch, exact
+    where torchvision's float32 bmm is (tests/test_augment.py), and out of TF32's reach (TF32 rounds float32
+    matmul inputs to 10 bits under torch.backends.cuda.matmul.allow_tf32, which train_cifar.py switches on:
+    0.8-1.5% of the pixels of each sheared or rotated image moved). Cached: no launches after the first call."""
+    x = torch.linspace((1 - W) / 2, (W - 1) / 2, W, dtype=torch.float64, device=device).expand(H, W)
+    y = torch.linspace((1 - H) / 2, (H - 1) / 2, H, dtype=torch.float64, device=device)[:, None].expand(H, W)
+    zero, one = torch.zeros_like(x), torch.ones_like(x)
+    gx = torch.stack([x, -y, y + H / 2, zero, -one, zero]) / (W / 2)  # x' / (W/2), per coef
+    gy = torch.stack([y, x, zero, x + W / 2, zero, -one]) / (H / 2)
+    return torch.stack([gx, gy], -1).view(6, H * W * 2)
 
 
 def resized_crop_flip(x, top, left, side, flip):
@@ -152,22 +156,24 @@ def ra_magnitudes(m, size=32, num_bins=31):
 
 def apply_ra_ops(x, op, magnitude):
     """Image b gets the RandAugment op RA_OPS[op[b]] at the signed magnitude[b] ((B,) float64: the
-    factor - 1, the shear, pixels, degrees, bits or threshold). Every op runs on every image; the
-    images that did not draw it get its identity parameter, so the result is exact (module docstring)."""
+    factor - 1, the shear, pixels, degrees, bits or threshold). Every image goes through every stage; the
+    images that did not draw its op get its identity parameter, so the result is exact (module docstring).
+    Ops that share a form run as one: the five geometric ones as one grid_sample, the four blends as one."""
     B, _, H, W = x.shape
-    only = {name: torch.where(op == k, magnitude, {'Posterize': 8.0, 'Solarize': 256.0}.get(name, 0.0))
-            for k, name in enumerate(RA_OPS)}
-    x = affine_grid_sample(x, geometric_matrix(only['ShearX'], only['ShearY'], only['TranslateX'],
-                                               only['TranslateY'], only['Rotate'], H, W))
-    x = adjust_brightness(x, 1.0 + only['Brightness'])
-    x = adjust_saturation(x, 1.0 + only['Color'])
-    x = adjust_contrast(x, 1.0 + only['Contrast'])
-    x = adjust_sharpness(x, 1.0 + only['Sharpness'])
-    x = posterize(x, only['Posterize'])
-    x = solarize(x, only['Solarize'])
-    for name, fn in (('AutoContrast', TF.autocontrast), ('Equalize', TF.equalize)):  # batched in torchvision
-        x = torch.where((op == RA_OPS.index(name)).view(B, 1, 1, 1), fn(x.to(torch.uint8)).float(), x)
-    return x
+    drew = op[:, None] == torch.arange(len(RA_OPS), device=op.device)  # (B, 14): image b drew op k
+    p = drew * magnitude[:, None]  # (B, 14) float64: the drawn op's magnitude, 0 elsewhere
+    # ShearX, ShearY, TranslateX, TranslateY, Rotate: one nearest-neighbour grid_sample, zero fill
+    a = torch.deg2rad(p[:, 5])
+    grid = torch.cat([torch.stack([a.cos(), a.sin()], 1), p[:, 1:5]], 1) @ affine_basis(H, W, x.device)
+    x = F.grid_sample(x, grid.view(B, H, W, 2).float(), mode='nearest', padding_mode='zeros', align_corners=False)
+    # Brightness, Color, Contrast, Sharpness: one blend; f = 1 (the others' zeros add nothing): the identity
+    x = blend_ops(x, 1.0 + p[:, 6:10].sum(1), drew[:, 7], drew[:, 8], drew[:, 9])
+    x = posterize(x, torch.where(drew[:, 10], magnitude, 8.0))
+    x = solarize(x, torch.where(drew[:, 11], magnitude, 256.0))
+    # AutoContrast, Equalize: torchvision's own (batched there), picked per image on uint8
+    x_u8 = x.to(torch.uint8)
+    return torch.where(drew[:, 12].view(B, 1, 1, 1), TF.autocontrast(x_u8),
+                       torch.where(drew[:, 13].view(B, 1, 1, 1), TF.equalize(x_u8), x_u8)).float()
 
 
 # ----------------------------------------------------------------------------- MoCo v3 views (train_contrastive.py)
@@ -201,10 +207,25 @@ def color_jitter(x, factors, order):
     a per-image order (B, 4) (a permutation of 0..3 per row): slot s of image b runs op order[b, s]."""
     B = len(x)
     for slot in range(4):
-        for k, fn in enumerate((adjust_brightness, adjust_contrast, adjust_saturation)):
-            x = fn(x, torch.where(order[:, slot] == k, factors[:, k], 1.0))  # factor 1: the exact identity
-        x = torch.where((order[:, slot] == 3).view(B, 1, 1, 1), adjust_hue(x, factors[:, 3].float().view(B, 1, 1)), x)
+        k = order[:, slot]  # 0 brightness, 1 contrast, 2 saturation (one blend, factor 1 for hue: the identity)
+        x = blend_ops(x, torch.where(k == 3, 1.0, factors.gather(1, k[:, None])[:, 0]), k == 2, k == 1)
+        x = torch.where((k == 3).view(B, 1, 1, 1), adjust_hue(x, factors[:, 3].float().view(B, 1, 1)), x)
     return x
+
+
+@contextlib.contextmanager
+def no_tf32():
+    """cuDNN convolutions in full float32 inside, the caller's setting restored after. The training scripts
+    switch TF32 on (torch.backends.cudnn.allow_tf32 = True, utils.setup); TF32 rounds a float32 conv's inputs
+    to 10 mantissa bits, and an image's blur then rounds differently from torchvision's. The legacy flag, as
+    utils.py sets it (torch 2.14 reads it whichever API set it, unless cudnn.conv and cudnn.rnn were given
+    different fp32_precision values). A Python global: no device work, no sync."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
 
 
 def gaussian_blur(x, sigma, kernel_size):
@@ -213,8 +234,10 @@ def gaussian_blur(x, sigma, kernel_size):
     lim = (kernel_size - 1) / (2 * math.sqrt(2))
     k1 = torch.softmax(-(torch.linspace(-lim, lim, kernel_size, device=x.device) / sigma[:, None]).pow(2), 1)
     k2 = (k1[:, :, None] * k1[:, None, :]).repeat_interleave(C, 0)[:, None]  # (B*C, 1, k, k)
-    out = F.conv2d(F.pad(x.reshape(1, B * C, H, W), [kernel_size // 2] * 4, mode='reflect'), k2, groups=B * C)
+    with no_tf32():  # float32 as torchvision computes it (float64 would round a few pixels differently)
+        out = F.conv2d(F.pad(x.reshape(1, B * C, H, W), [kernel_size // 2] * 4, mode='reflect'), k2, groups=B * C)
     return out.view(B, C, H, W).round_()
+
 
 
 def resized_crop_rect_flip(x, top, left, height, width, size, flip):
@@ -253,8 +276,10 @@ def random_erasing(x, p):  # (train_imagenet.py; make_augment has its own, value
 
 
 def normalize(x, mean, std):
-    """ToTensor + Normalize: (B, 3, H, W) values 0..255 -> float32; mean, std: (1, 3, 1, 1) tensors."""
-    return x.float().div(255).sub_(mean).div_(std)
+    """ToTensor + Normalize: (B, 3, H, W) values 0..255 -> float32, contiguous NCHW whatever x's strides
+    (pad_crop_flip's gather gives NHWC strides): the memory format is the caller's choice (train_cifar.py
+    --channels-last converts), one layout for every recipe. mean, std: (1, 3, 1, 1) tensors."""
+    return x.to(torch.float32, memory_format=torch.contiguous_format).div(255).sub_(mean).div_(std)
 
 
 # -----------------------------------------------------------------------------
@@ -280,14 +305,19 @@ class Augment:
             return normalize(pad_crop_flip(x_u8, dy, dx, self.rand(B) < 0.5), self.mean, self.std)
         # RandomResizedCrop with ratio (1, 1): torchvision's first attempt always fits
         area = (self.scale + (1 - self.scale) * self.rand(B, dtype=torch.float64)) * H * W
-        side = torch.sqrt(area).round().clamp_(1, min(H, W))
-        top = (self.rand(B, dtype=torch.float64) * (H - side + 1)).floor()
-        left = (self.rand(B, dtype=torch.float64) * (W - side + 1)).floor()
-        x = resized_crop_flip(x_u8.float(), top, left, side, self.rand(B) < 0.5)
+        top, left, flip = self.rand(B, dtype=torch.float64), self.rand(B, dtype=torch.float64), self.rand(B) < 0.5
+        if self.scale == 1 and H == W:  # the whole image, resized to itself: the identity (the draws above are
+            # made all the same, so that a seed gives the same flips and RandAugment draws at every scale)
+            x = torch.where(flip.view(B, 1, 1, 1), x_u8.flip(3), x_u8).float()
+        else:
+            side = torch.sqrt(area).round().clamp_(1, min(H, W))
+            top, left = (top * (H - side + 1)).floor(), (left * (W - side + 1)).floor()
+            x = resized_crop_flip(x_u8.float(), top, left, side, flip)
         for _ in range(self.randaug_n):
             op = torch.randint(0, len(RA_OPS), (B,), generator=self.generator, device=x.device)
+            magnitude = self.ra_magnitude[op]
             negative = self.ra_signed[op] & (self.rand(B) < 0.5)
-            x = apply_ra_ops(x, op, torch.where(negative, -self.ra_magnitude[op], self.ra_magnitude[op]))
+            x = apply_ra_ops(x, op, torch.where(negative, -magnitude, magnitude))
         if self.jitter > 0:
             x = self.color_jitter(x)
         x = normalize(x, self.mean, self.std)
@@ -299,8 +329,8 @@ class Augment:
         v = ((2 * self.rand(B, 3, dtype=torch.float64) - 1) * self.jitter).clamp(min=-1.0)
         order = self.rand(B, 3).argsort(1)  # image b's slot s runs op order[b, s]
         for slot in range(3):
-            for k, fn in enumerate((adjust_brightness, adjust_contrast, adjust_saturation)):
-                x = fn(x, 1.0 + torch.where(order[:, slot] == k, v[:, k], 0.0))  # 0: the identity
+            k = order[:, slot]  # 0 brightness, 1 contrast, 2 saturation: one blend
+            x = blend_ops(x, 1.0 + v.gather(1, k[:, None])[:, 0], saturation=k == 2, contrast=k == 1)
         return x
 
     def random_erasing(self, x):

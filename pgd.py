@@ -26,6 +26,11 @@ no parameter's .grad is touched, so the attack can run in the middle of a traini
 This is torchattacks.PGD / torchattacks.FGSM (3.5.1), which tests/test_pgd.py checks it against:
 the same update, the same order of clamps, and the same random start drawn from torch's global
 RNG (torch.empty_like(x).uniform_(-eps, eps)), so both give the same x_adv from the same seed.
+One difference: the gradient is that of the batch's summed loss, not its mean (torchattacks). Only
+its sign is used, and sign(B * g) = sign(g); but under fp16 autocast (train_cifar.py --adv runs the
+attack inside the training autocast, unscaled: no GradScaler here) the mean's 1/B pushes small input
+gradients below fp16's smallest subnormal, 6e-8: they flush to 0, sign(0) = 0, and those pixels do
+not move. The sum is B times further from underflow (tests/test_pgd.py builds a case).
 """
 import torch
 import torch.nn.functional as F
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 
 def pgd(model, x, y, eps, alpha, steps, random_start=True, normalize=None, loss_fn=F.cross_entropy):
     """x (B, C, H, W) in [0, 1], y (B,) labels -> x_adv (B, C, H, W), detached, in B_eps(x) and [0, 1].
+    loss_fn(logits, y, reduction='sum'): a torch.nn.functional loss (the sum: module docstring).
 
     random_start: True draws the start x0 + U(-eps, eps) from torch's global RNG (as torchattacks);
     False starts at x0 (FGSM's start); a tensor delta (shape of x) starts at x0 + delta, for
@@ -48,7 +54,8 @@ def pgd(model, x, y, eps, alpha, steps, random_start=True, normalize=None, loss_
     with torch.enable_grad():  # also when called under torch.no_grad(), e.g. inside an evaluation
         for _ in range(steps):
             x_adv.requires_grad_(True)
-            loss = loss_fn(model(x_adv if normalize is None else normalize(x_adv)), y)
+            # summed, not averaged: the mean's 1/B underflows fp16 input gradients (module docstring)
+            loss = loss_fn(model(x_adv if normalize is None else normalize(x_adv)), y, reduction='sum')
             grad, = torch.autograd.grad(loss, x_adv)
             x_adv = x_adv.detach() + alpha * grad.sign()
             delta = torch.clamp(x_adv - x0, -eps, eps)       # Proj onto B_eps(x0) ...

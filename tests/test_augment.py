@@ -191,3 +191,90 @@ def test_random_erasing_boxes():
         # area U(2%, 33%) of 1024 px; h and w are each rounded, so the box area may miss by < 33 px
         assert 15 <= h * w <= 0.33 * 1024 + 33 and h < 32 and w < 32
         assert (o != 0).any(0).sum() == 1024 - h * w
+
+
+# -----------------------------------------------------------------------------
+# On a GPU: kernel launches, TF32, memory layout.
+NO_KERNEL = {'aten::' + n for n in (
+    'view', 'as_strided', 'as_strided_', 'expand', 'unsqueeze', 'unsqueeze_', 'squeeze', 'select', 'slice', 'unbind',
+    'permute', 'reshape', '_reshape_alias', 'alias', 't', 'transpose', 'detach', 'lift_fresh', 'empty', 'empty_like',
+    'empty_strided', 'new_empty', 'new_empty_strided', 'resolve_conj', 'resolve_neg', '_unsafe_view', 'split',
+    'narrow', 'resize_', 'to', 'contiguous', 'scalar_tensor', 'expand_as', 'view_as', 'flatten', 'unflatten',
+    'split_with_sizes', 'chunk', '_local_scalar_dense', 'item')}  # views, allocations, CPU-scalar reads
+
+
+def count_launches(fn):
+    """The device kernels fn() would launch, counted on the CPU with torch.profiler: each aten op that is not a
+    view or an allocation (NO_KERNEL) and runs no such op itself counts once, except a copy or fill of 0-dim
+    tensors only (a Python number wrapped on the CPU: a kernel argument on a GPU, not a launch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def launches(e):
+        n = sum(launches(c) for c in e.cpu_children)
+        if n or not e.name.startswith('aten::') or e.name in NO_KERNEL:
+            return n
+        scalar_only = not any(len(s) for s in e.input_shapes if isinstance(s, list))
+        return 0 if scalar_only and e.name in ('aten::copy_', 'aten::fill_', 'aten::_to_copy') else 1
+
+    fn()  # warm: lazy initialisation and caches (augment.affine_basis) out of the count
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return sum(launches(e) for e in prof.events() if e.cpu_parent is None)
+
+
+def test_default_recipe_launches_few_kernels():
+    """train_cifar.py's default recipe (strong, scale 1, RandAugment(2, 12); bench.CIFAR_RUN) on one batch: 360
+    launches before its ops were fused by form (augment.py docstring), 201 after; 'basic' takes 17; locuslab's
+    recipe 375 before, 258 after. The count does not depend on the batch size."""
+    x = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    strong, basic = make(aug='strong', scale=1.0, randaug_n=2, randaug_m=12), make(aug='basic')
+    locuslab = make(aug='strong', scale=0.75, randaug_n=1, randaug_m=8, jitter=0.1, reprob=0.25)
+    assert count_launches(lambda: strong(x)) <= 220
+    assert count_launches(lambda: basic(x)) <= 20
+    assert count_launches(lambda: locuslab(x)) <= 280
+
+
+def test_no_tf32_in_augment(images):
+    """The training scripts switch TF32 on (utils.setup: torch.backends.cuda.matmul.allow_tf32 and
+    torch.backends.cudnn.allow_tf32), which rounds the inputs of float32 matmuls and cuDNN convolutions to 10
+    mantissa bits: on a GPU, 0.8-1.5% of the pixels of each sheared, rotated or sharpened image then differ
+    from torchvision's. Every matmul and convolution of RandAugment's ops and of gaussian_blur must run in
+    float64 (out of TF32's reach) or in float32 with TF32 off at the time of the call, and the flags are
+    restored after. Recorded on the CPU with the global flags set: a TorchDispatchMode (semi-private,
+    torch.utils._python_dispatch) sees every aten op below autograd, however it was called."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    matmuls = {torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm, torch.ops.aten.baddbmm,
+               torch.ops.aten.convolution, torch.ops.aten.mkldnn_convolution, torch.ops.aten._convolution}
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in matmuls:
+                calls.append((str(func), args[0].dtype, torch.backends.cudnn.allow_tf32,
+                              torch.backends.cuda.matmul.allow_tf32))
+            return func(*args, **(kwargs or {}))
+
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        x, B = images[:28].float(), 28
+        op = torch.arange(B) % len(A.RA_OPS)  # every op, both signs
+        magnitude = torch.tensor(A.ra_magnitudes(20), dtype=torch.float64)[op] * (1 - 2 * (torch.arange(B) >= 14))
+        with Record():
+            A.apply_ra_ops(x, op, magnitude)
+            A.gaussian_blur(x, torch.full((B,), 1.5), 5)
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32  # restored
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    assert calls  # the affine grid's matmul and the blur's convolution at least
+    tf32 = [c for c in calls if c[1] == torch.float32 and (c[2] if 'conv' in c[0] else c[3])]
+    assert not tf32, tf32
+
+
+@pytest.mark.parametrize('aug', ['basic', 'strong'])
+def test_output_is_contiguous_nchw(images, aug):
+    """One layout for every recipe, the caller's choice (train_cifar.py --channels-last converts after):
+    'basic' gathered NHWC-strided batches, 'strong' and the evaluation NCHW. Also from an NHWC input."""
+    for x in (images, images.contiguous(memory_format=torch.channels_last)):
+        out = make(aug=aug, scale=0.5, reprob=0.5, jitter=0.2)(x)
+        assert out.is_contiguous() and out.shape == x.shape

@@ -92,3 +92,22 @@ def test_attack_stays_in_ball_and_box_and_touches_nothing():
     net.eval()
     pgd(net, x, y, 0.1, 0.02, 1)
     assert not net.training  # eval stays eval
+
+
+def test_fp16_autocast_input_gradient_does_not_underflow():
+    """Under fp16 autocast, unscaled (train_cifar.py --adv --amp fp16): a model whose input gradient is
+    small, 2e-6 per pixel for the summed loss and so 2e-6 / 256 = 8e-9 for the batch mean, below fp16's
+    smallest subnormal (6e-8). The mean's gradient flushes to 0 and sign(0) = 0 leaves every pixel where it
+    was; the summed loss pgd takes (pgd.py docstring) moves every pixel by alpha, as fp32 does."""
+    B, d, s = 256, 3 * 8 * 8, 2e-6
+    net = nn.Sequential(nn.Flatten(), nn.Linear(d, 2, bias=False))
+    with torch.no_grad():  # logit 0 = s * sum(x), logit 1 = -s * sum(x): d loss / d pixel = -s per image
+        net[1].weight.copy_(torch.stack([torch.full((d,), s), torch.full((d,), -s)]))
+    x = 0.1 + 0.8 * torch.rand(B, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    y = torch.zeros(B, dtype=torch.long)
+    alpha = 2 / 255
+    want = pgd(net, x, y, 8 / 255, alpha, 1, random_start=False)  # fp32
+    torch.testing.assert_close(want, x - alpha, rtol=0, atol=1e-6)  # every pixel down by alpha (gradient -s)
+    with torch.autocast('cpu', dtype=torch.float16):
+        got = pgd(net, x, y, 8 / 255, alpha, 1, random_start=False)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
