@@ -256,23 +256,26 @@ def resized_crop_rect_flip(x, top, left, height, width, size, flip):
     return F.grid_sample(x, grid.to(x.dtype), mode='bilinear', padding_mode='border', align_corners=False).round_()
 
 
-def random_erasing(x, p):  # (train_imagenet.py; make_augment has its own, value 0, on its generator)
-    """timm's RandomErasing in 'pixel' mode on the device, per image of a normalised batch (B, 3, H, W): with
-    probability p a box of 2-33% of the area, aspect ratio log-uniform in (0.3, 3.3), the first of 10 draws that
-    fits (torchvision's v2.RandomErasing draws), at a uniform position, filled with N(0, 1) noise. No host sync."""
-    (B, _, H, W), dev = x.shape, x.device
-    area = H * W * torch.empty(B, 10, device=dev).uniform_(0.02, 0.33)
-    ratio = torch.empty(B, 10, device=dev).uniform_(math.log(0.3), math.log(3.3)).exp()
-    h, w = (area * ratio).sqrt().round(), (area / ratio).sqrt().round()
+def random_erasing(x, p, rand=None, noise=False):
+    """RandomErasing(p, scale=(0.02, 0.33), ratio=(0.3, 3.3)) per image of a normalised batch (B, 3, H, W):
+    torchvision's 10 tries at once (the first box that fits), at a uniform position, filled with 0 (locuslab's
+    value=0) or with N(0, 1) noise (timm's 'pixel' mode: noise=True, from torch's RNG). rand(*shape, dtype): the
+    uniform draws (default torch.rand on x's device). No host sync."""
+    rand = rand or (lambda *shape, dtype=torch.float32: torch.rand(*shape, dtype=dtype, device=x.device))
+    B, _, H, W = x.shape
+    area = (0.02 + 0.31 * rand(B, 10, dtype=torch.float64)) * H * W
+    log_ratio = math.log(0.3) + (math.log(3.3) - math.log(0.3)) * rand(B, 10, dtype=torch.float64)
+    h, w = torch.sqrt(area * log_ratio.exp()).round(), torch.sqrt(area / log_ratio.exp()).round()
     fits = (h < H) & (w < W)
     first = fits.int().argmax(1, keepdim=True)
-    h, w = h.gather(1, first), w.gather(1, first)  # (B, 1)
-    top = (torch.rand(B, 1, device=dev) * (H - h + 1)).floor()
-    left = (torch.rand(B, 1, device=dev) * (W - w + 1)).floor()
-    rows, cols = torch.arange(H, device=dev)[None, :], torch.arange(W, device=dev)[None, :]
-    box = ((rows >= top) & (rows < top + h))[:, :, None] & ((cols >= left) & (cols < left + w))[:, None, :]
-    on = (torch.rand(B, device=dev) < p) & fits.any(1)
-    return torch.where((box & on[:, None, None])[:, None], torch.randn_like(x), x)
+    h, w = h.gather(1, first)[:, :, None], w.gather(1, first)[:, :, None]  # (B, 1, 1)
+    top = (rand(B, 1, 1, dtype=torch.float64) * (H - h + 1)).floor()
+    left = (rand(B, 1, 1, dtype=torch.float64) * (W - w + 1)).floor()
+    on = ((rand(B, 1) < p) & fits.any(1, keepdim=True))[:, :, None]
+    rows = torch.arange(H, dtype=torch.float64, device=x.device)[None, :, None]
+    cols = torch.arange(W, dtype=torch.float64, device=x.device)[None, None, :]
+    box = ((rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w) & on)[:, None]  # (B, 1, H, W)
+    return torch.where(box, torch.randn_like(x), x) if noise else x.masked_fill(box, 0.0)
 
 
 def normalize(x, mean, std):
@@ -333,22 +336,8 @@ class Augment:
             x = blend_ops(x, 1.0 + v.gather(1, k[:, None])[:, 0], saturation=k == 2, contrast=k == 1)
         return x
 
-    def random_erasing(self, x):
-        """RandomErasing(reprob, scale=(0.02, 0.33), ratio=(0.3, 3.3), value=0): torchvision's 10 tries at once."""
-        B, _, H, W = x.shape
-        area = (0.02 + 0.31 * self.rand(B, 10, dtype=torch.float64)) * H * W
-        log_ratio = math.log(0.3) + (math.log(3.3) - math.log(0.3)) * self.rand(B, 10, dtype=torch.float64)
-        h, w = torch.sqrt(area * log_ratio.exp()).round(), torch.sqrt(area / log_ratio.exp()).round()
-        fits = (h < H) & (w < W)
-        first = fits.int().argmax(1, keepdim=True)
-        h, w = h.gather(1, first)[:, :, None], w.gather(1, first)[:, :, None]  # (B, 1, 1)
-        top = (self.rand(B, 1, 1, dtype=torch.float64) * (H - h + 1)).floor()
-        left = (self.rand(B, 1, 1, dtype=torch.float64) * (W - w + 1)).floor()
-        on = ((self.rand(B, 1) < self.reprob) & fits.any(1, keepdim=True))[:, :, None]
-        rows = torch.arange(H, dtype=torch.float64, device=x.device)[None, :, None]
-        cols = torch.arange(W, dtype=torch.float64, device=x.device)[None, None, :]
-        box = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w) & on  # (B, H, W)
-        return x.masked_fill(box[:, None], 0.0)
+    def random_erasing(self, x):  # value 0, as locuslab; the draws from this pipeline's generator
+        return random_erasing(x, self.reprob, self.rand)
 
 
 def make_augment(*, aug='strong', scale=1.0, randaug_n=2, randaug_m=12, jitter=0.0, reprob=0.0,

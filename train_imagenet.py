@@ -401,7 +401,7 @@ def main(argv=None):
             batches = train_loader if args.synthetic else on_device(train_loader, mean, std, fmt)
             for micro in itertools.islice(zip(*[iter(batches)] * k), min(stop - step, steps - start)):  # k at a time
                 # per micro-batch, as timm with accumulation: erasing per image, then mixup/cutmix (y -> (b, classes))
-                micro = [(random_erasing(x, args.reprob) if args.reprob > 0 else x, y) for x, y in micro]
+                micro = [(random_erasing(x, args.reprob, noise=True) if args.reprob else x, y) for x, y in micro]
                 micro = [mix(x, y) if mix is not None else (x, y) for x, y in micro]
                 lr = lr_at(step, args.lr, args.sched, args.warmup_steps, args.epochs, steps)
                 for group in optimizer.param_groups:

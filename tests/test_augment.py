@@ -278,3 +278,21 @@ def test_output_is_contiguous_nchw(images, aug):
     for x in (images, images.contiguous(memory_format=torch.channels_last)):
         out = make(aug=aug, scale=0.5, reprob=0.5, jitter=0.2)(x)
         assert out.is_contiguous() and out.shape == x.shape
+
+
+def test_random_erasing_pixel_mode_fills_one_box_per_image_with_noise():
+    """train_imagenet.py's erasing (timm's 'pixel' mode, the box drawn as make_augment's value-0 erasing, which is
+    tested pixel for pixel against torchvision): p = 1 erases one rectangle of 2-33% of each image with N(0, 1)
+    noise, the same box in every channel, and leaves every other pixel as it was; p = 0 changes nothing."""
+    torch.manual_seed(0)
+    x = torch.full((64, 3, 32, 32), 7.0)
+    out = A.random_erasing(x, 1.0, noise=True)
+    changed = out != x
+    assert torch.equal(changed[:, 0], changed[:, 1]) and torch.equal(changed[:, 0], changed[:, 2])
+    frac = changed[:, 0].flatten(1).float().mean(1)
+    assert (frac > 0.015).all() and (frac < 0.34).all()
+    rows, cols = changed[:, 0].any(2), changed[:, 0].any(1)  # a rectangle: its row and column spans fill it
+    assert torch.equal(changed[:, 0].sum((1, 2)), rows.sum(1) * cols.sum(1))
+    noise = out[changed]
+    assert abs(noise.mean()) < 0.05 and abs(noise.std() - 1) < 0.05
+    assert torch.equal(A.random_erasing(x, 0.0, noise=True), x)
