@@ -4,9 +4,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from utils import EXTRAS, UserError, save_atomic
-
-
+from runs import save_atomic
+from utils import EXTRAS, UserError
 def pyplot(hint=''):  # matplotlib's pyplot (Agg), or a UserError saying how to install it
     try:
         import matplotlib

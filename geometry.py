@@ -39,8 +39,8 @@ import figures
 from augment import normalize
 from data import LAYOUT, MEAN, STD, balanced_subset, eval_transform, evaluate, load_cifar, resize
 from models import build_model, load_model, load_weights, parse_model_kw
-from utils import UserError, fmt_time, progress_printer, save_atomic
-
+from runs import save_atomic
+from utils import UserError, fmt_time, progress_printer
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 
 

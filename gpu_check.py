@@ -36,8 +36,8 @@ import torch.nn.functional as F
 import augment
 from models import build_model
 from sam import SAM, first_pass, second_pass
-from utils import UserError, save_atomic
-
+from runs import save_atomic
+from utils import UserError
 HERE = Path(__file__).resolve().parent
 PARTS = ('versions', 'cifar', 'syncs', 'augment', 'memory', 'bench', 'smoke')
 TINY = ['--model-kw', 'dim=32', 'depth=2', 'patch_size=4', 'kernel_size=3']  # a ConvMixer for the dry run

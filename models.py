@@ -17,8 +17,8 @@ import convmixer
 import mixer
 import vit
 from data import NUM_CLASSES
-from utils import UserError, one_line, read_checkpoint, stored_args
-
+from runs import read_checkpoint, stored_args
+from utils import UserError, one_line
 MODEL_FILES = (convmixer, vit, mixer)
 IMAGENET_RESNETS = ('resnet50', 'resnet101', 'resnet152')
 CIFAR_RESNETS = ('resnet18', 'resnet20')

@@ -44,8 +44,8 @@ from augment import normalize
 from data import MEAN, MEANS, NUM_CLASSES, STD, eval_transform, folder_batches, folder_samples, load_cifar
 from models import load_model
 from pgd import fgsm, pgd
-from utils import EXTRAS, UserError, epoch_seed, fmt_time, init_group, leave, save_atomic, setup, stored_args
-
+from runs import save_atomic, stored_args
+from utils import EXTRAS, UserError, epoch_seed, fmt_time, init_group, leave, setup
 # The benchmark's constants (Hendrycks & Dietterich 2019, Sec. 3 and Fig. 1).
 GROUPS = {'noise': ['gaussian_noise', 'shot_noise', 'impulse_noise'],
           'blur': ['defocus_blur', 'glass_blur', 'motion_blur', 'zoom_blur'],

@@ -29,9 +29,9 @@ from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
 from models import build_model, load_weights, parse_model_kw
 from pgd import pgd
 from sam import SAM, first_pass, second_pass
+from runs import prepare_out, read_checkpoint, restore, save_atomic
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
-                   prepare_out, rank_zero_first, read_checkpoint, restore, save_atomic, setup, since_checkpoint,
-                   wrap_ddp)
+                   rank_zero_first, setup, since_checkpoint, wrap_ddp)
 
 # Defaults of the flags left unset. finetune: the ViT paper's CIFAR fine-tuning (Dosovitskiy et al. 2021, App. B.1.1;
 # vit_jax configs/common.py, train.py, input_pipeline.py): SGD momentum 0.9, batch 512, 10,000 steps (~100 epochs),

@@ -50,9 +50,9 @@ import vit
 from data import MEAN, NUM_CLASSES, STD, load_cifar
 from models import build_model, load_weights, parse_model_kw
 from sam import SAM, first_pass, second_pass
+from runs import prepare_out, read_checkpoint, restore, save_atomic
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
-                   one_line, prepare_out, rank_zero_first, read_checkpoint, restore, save_atomic, setup,
-                   since_checkpoint, wrap_ddp)
+                   one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
 
 # BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
 AUG = dict(ratio=(3 / 4, 4 / 3), jitter=(0.4, 0.4, 0.2, 0.1), p_jitter=0.8, p_gray=0.2,

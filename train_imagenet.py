@@ -31,9 +31,9 @@ from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform, on_device
 from models import build_model, load_weights, parse_model_kw
 from sam import SAM, first_pass, second_pass
+from runs import prepare_out, read_checkpoint, save_atomic, stored_args
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
-                   one_line, prepare_out, read_checkpoint, save_atomic, score, setup, since_checkpoint, stored_args,
-                   wrap_ddp)
+                   one_line, score, setup, since_checkpoint, wrap_ddp)
 
 
 # -----------------------------------------------------------------------------

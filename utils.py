@@ -1,25 +1,19 @@
 """Run plumbing shared by every script: the one user-error mechanism, where this process runs (torchrun's
-environment, device, mixed precision), the run folder, atomic writes, resume, exact evaluation, teardown.
+environment, device, mixed precision), divergence, exact evaluation, progress, teardown (the run folder: runs.py).
 Nothing here is part of an algorithm: the scripts keep their training loops (and the SAM step) written out."""
 import contextlib
 import datetime
-import json
 import math
 import os
-import tempfile
 import time
-from argparse import Namespace
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-RUN_FILES = ('last.pt', 'metrics.jsonl', 'args.json')  # what a training run writes into its --out
-RUN_KEYS = ('model', 'optimizer', 'scaler', 'step', 'history', 'args')  # what every script's last.pt holds
 NO_STEP = 2 ** 62  # "no step yet" for the first non-finite loss
 EXTRAS = 'pip install -r requirements-extras.txt'
 
@@ -120,82 +114,6 @@ def leave(distributed):
     if distributed:
         dist.barrier()  # rank 0 may still be writing: leave together (gloo aborts a one-sided teardown)
         dist.destroy_process_group()
-
-
-# ----- Checkpoints, the run folder, atomic writes.
-def read_checkpoint(path, flag):
-    if not os.path.isfile(path):
-        raise UserError(f'{flag} {path}: no such file')
-    try:
-        with torch.serialization.safe_globals([Namespace]):  # timm's checkpoints hold their args
-            return torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:  # zip, pickle, OS or Runtime errors: all mean "unreadable"
-        raise UserError(f'{flag} {path} is not a readable checkpoint ({type(e).__name__}: {one_line(e)})')
-
-
-def stored_args(path, flag):  # the flags of the run that wrote `path` if it is one of our last.pt files, else None
-    ckpt = None if str(path).endswith('.npz') else read_checkpoint(path, flag)
-    return ckpt['args'] if isinstance(ckpt, dict) and set(RUN_KEYS) <= ckpt.keys() else None
-
-
-def prepare_out(args):
-    """Refuse to touch another run, and fail now, not at the first save, if --out cannot be written."""
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f'--out {out} is a file, not a folder')
-    held = [f for f in RUN_FILES if (out / f).exists()]
-    if held and not args.overwrite and not (args.resume and Path(args.resume).resolve().parent == out.resolve()):
-        raise UserError(f'--out {out} already holds a run ({", ".join(held)}); use --resume {out / "last.pt"}, '
-                        'or pick another --out, or pass --overwrite')
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise UserError(f'--out {out} is not writable: {e.strerror or e}')
-    return out  # (with --overwrite the old files stay whole until the new run's first epoch replaces them)
-
-
-def save_atomic(path, obj):
-    """obj into PATH.tmp, then os.replace: a reader sees the old file or the new one. obj: for .pt what torch.save
-    takes; .jsonl a list of rows; .json a dict; else a function that writes into the open binary file (np.save,
-    fig.savefig). A failed write (a full disk) removes PATH.tmp, keeps the previous PATH, is a UserError."""
-    path = Path(path)
-    tmp = path.with_name(path.name + '.tmp')
-    try:
-        with open(tmp, 'wb') as f:
-            if callable(obj):
-                obj(f)
-            elif path.suffix == '.pt':
-                torch.save(obj, f)  # into a file object: a full disk comes back as OSError with its errno
-            elif path.suffix == '.jsonl':
-                f.write(''.join(json.dumps(r, allow_nan=False) + '\n' for r in obj).encode())
-            else:
-                f.write((json.dumps(obj, indent=1, allow_nan=False) + '\n').encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        kept = f'the previous {path.name} is intact' if path.exists() else 'nothing was saved there'
-        raise UserError(f'could not write {path}: {getattr(e, "strerror", None) or one_line(e)}; {kept}')
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def restore(ckpt, opt, scaler, args, not_inherited, log):
-    """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags. -> (epoch, step, history)"""
-    try:
-        opt.load_state_dict(ckpt['optimizer'])
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})')
-    if ckpt['scaler'] and scaler.is_enabled():
-        scaler.load_state_dict(ckpt['scaler'])
-    if ckpt['epoch'] >= args.epochs:
-        raise UserError(f"{args.resume} has trained all {ckpt['epoch']} epochs; pass --epochs N > {ckpt['epoch']}")
-    changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
-               if k in args.saved_args and k not in not_inherited and args.saved_args[k] != v]
-    log(f"resumed {args.resume} at epoch {ckpt['epoch']}, step {ckpt['step']}; "
-        f"changed: {', '.join(changed) or 'nothing'}")
-    return ckpt['epoch'], ckpt['step'], ckpt['history']
 
 
 def check_finite(first_bad, steps, saved, unit='epoch', distributed=False):

@@ -1,0 +1,110 @@
+"""The run folder of a training script: its checkpoints (read safely, written atomically), its lock against a
+second run, its resume, and what our last.pt files say about the run that wrote them."""
+import fcntl
+import io
+import json
+import os
+import tempfile
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+from utils import UserError, one_line
+
+RUN_FILES = ('last.pt', 'metrics.jsonl', 'args.json')  # what a training run writes into its --out
+RUN_KEYS = ('model', 'optimizer', 'scaler', 'step', 'history', 'args')  # what every script's last.pt holds
+
+
+def read_checkpoint(path, flag):
+    if not os.path.isfile(path):
+        raise UserError(f'{flag} {path}: no such file')
+    try:
+        with torch.serialization.safe_globals([Namespace]):  # timm's checkpoints hold their args
+            return torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:  # zip, pickle, OS or Runtime errors: all mean "unreadable"
+        raise UserError(f'{flag} {path} is not a readable checkpoint ({type(e).__name__}: {one_line(e)})')
+
+
+def stored_args(path, flag):  # the flags of the run that wrote `path` if it is one of our last.pt files, else None
+    ckpt = None if str(path).endswith('.npz') else read_checkpoint(path, flag)
+    return ckpt['args'] if isinstance(ckpt, dict) and set(RUN_KEYS) <= ckpt.keys() else None
+
+
+NEW_DIRS, LOCKS = [], []  # folders this process created (removed again if a bad input leaves them empty); locks
+
+
+def prepare_out(args, lock=True):
+    """Refuse to touch another run, and fail now, not at the first save, if --out cannot be written. lock: hold
+    OUT/.lock (flock: released when the process ends, however it ends) so that a second run into OUT is refused."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f'--out {out} is a file, not a folder')
+    held = [f for f in RUN_FILES if (out / f).exists()]
+    if held and not args.overwrite and not (args.resume and Path(args.resume).resolve().parent == out.resolve()):
+        raise UserError(f'--out {out} already holds a run ({", ".join(held)}); use --resume {out / "last.pt"}, '
+                        'or pick another --out, or pass --overwrite')
+    try:
+        NEW_DIRS.extend([] if out.exists() else [out])
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+        LOCKS.append(open(out / '.lock', 'a')) if lock else None
+        lock and fcntl.flock(LOCKS[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f'--out {out} is in use by another run now (it holds {out / ".lock"}); pick another --out')
+    except OSError as e:
+        raise UserError(f'--out {out} is not writable: {e.strerror or e}')
+    return out  # (with --overwrite the old files stay whole until the new run's first epoch replaces them)
+
+
+def discard_new_dirs():
+    """After a bad input: remove the folders this process created, if nothing but its lock is in them."""
+    for d in NEW_DIRS:
+        if d.is_dir() and {p.name for p in d.iterdir()} <= {'.lock'}:
+            (d / '.lock').unlink(missing_ok=True)
+            d.rmdir()
+
+
+def save_atomic(path, obj):
+    """obj into PATH.tmp, then os.replace: a reader sees the old file or the new one. obj: for .pt what torch.save
+    takes; .jsonl a list of rows; .json a dict; else a function that writes into the open binary file (np.save,
+    fig.savefig). A failed write (a full disk) removes PATH.tmp, keeps the previous PATH, is a UserError."""
+    path = Path(path)
+    tmp = path.with_name(path.name + '.tmp')
+    try:
+        with open(tmp, 'wb') as f:
+            if callable(obj):
+                obj(f)
+            elif path.suffix == '.pt':  # serialised in memory first: a full disk is then f.write's OSError (ENOSPC)
+                buf = io.BytesIO()  # (torch.save into a file reports it as its zip writer's RuntimeError)
+                torch.save(obj, buf)
+                f.write(buf.getbuffer())
+            elif path.suffix == '.jsonl':
+                f.write(''.join(json.dumps(r, allow_nan=False) + '\n' for r in obj).encode())
+            else:
+                f.write((json.dumps(obj, indent=1, allow_nan=False) + '\n').encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        kept = f'the previous {path.name} is intact' if path.exists() else 'nothing was saved there'
+        raise UserError(f'could not write {path}: {getattr(e, "strerror", None) or one_line(e)}; {kept}')
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def restore(ckpt, opt, scaler, args, not_inherited, log):
+    """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags. -> (epoch, step, history)"""
+    try:
+        opt.load_state_dict(ckpt['optimizer'])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})')
+    if ckpt['scaler'] and scaler.is_enabled():
+        scaler.load_state_dict(ckpt['scaler'])
+    if ckpt['epoch'] >= args.epochs:
+        raise UserError(f"{args.resume} has trained all {ckpt['epoch']} epochs; pass --epochs N > {ckpt['epoch']}")
+    changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
+               if k in args.saved_args and k not in not_inherited and args.saved_args[k] != v]
+    log(f"resumed {args.resume} at epoch {ckpt['epoch']}, step {ckpt['step']}; "
+        f"changed: {', '.join(changed) or 'nothing'}")
+    return ckpt['epoch'], ckpt['step'], ckpt['history']
