@@ -107,7 +107,7 @@ def test_table_is_batch_over_the_measured_medians(monkeypatch, capsys):
     assert f'Command: `python bench.py {" ".join(argv)}`' in out
     (table,) = markdown_tables(out)  # ONE table
     model, aug, step = table
-    (_, ours), (_, ref), (_, sam), (_, sam_m), (_, aug_ours), (_, aug_ref), (_, aug_dev), (_, train) = RecordingTimer.log
+    ours, ref, sam, sam_m, aug_ours, aug_ref, aug_dev, train = (median for _, median in RecordingTimer.log)
     assert [threads for threads, _ in RecordingTimer.log] == [2, 2, 2, 2, 1, 1, 2, 2]
     assert model['row'] == 'convmixer_256_8' and (model['px'], model['batch'], model['dtype']) == ('8', '4', 'off')
     assert close(model['ours img/s'], 4 / ours) and close(model['ref img/s'], 4 / ref)

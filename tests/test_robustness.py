@@ -411,7 +411,8 @@ def test_cache_never_writes_into_or_reads_a_folder_it_did_not_make(trained, cifa
             root)
     with pytest.raises(rb.UserError, match='is not a cache of robustness.py'):  # the library function alike
         rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(root))
-    assert len(np.load(root / "labels.npy")) == 1000 and sorted(os.listdir(root)) == ["gaussian_noise.npy", "labels.npy"]
+    assert len(np.load(root / 'labels.npy')) == 1000 and sorted(os.listdir(root)) == ['gaussian_noise.npy',
+                                                                                     'labels.npy']
     (root / 'meta.json').write_text('{"seed": 0}')  # someone else's meta.json
     refused(common + ['--cache', root], f"--cache {root}: its meta.json is not robustness.py's", tmp_path / 'o', root)
     (tmp_path / 'empty').mkdir()  # an empty folder becomes a cache, marked first
