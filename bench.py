@@ -13,14 +13,17 @@ on one core; then the augmentation's share of a default CIFAR training step.
 import argparse
 import datetime
 import json
+import math
 import multiprocessing
 import os
 import platform
 import resource
 import sys
+import tempfile
 
 import timm
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 import torch.utils.benchmark as benchmark
 import torchvision
@@ -33,7 +36,7 @@ import mixer
 import vit
 from data import MEAN, STD
 from sam import SAM, first_pass, second_pass
-from utils import UserError
+from utils import UserError, save_atomic
 
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
 # size on CPU, at full size on CUDA). --quick keeps the paper sizes but small batches, and runs
@@ -52,9 +55,14 @@ ROWS = {
 CIFAR_RUN = dict(model='convmixer_256_8', batch_size=512, aug='strong', scale=1.0, randaug_n=2, randaug_m=12,
                  jitter=0.0, reprob=0.0)
 
-# Dense bf16 peak FLOP/s (data sheets, no sparsity); the first key in get_device_name() wins, else no MFU.
-PEAK_BF16 = {'H200': 989e12, 'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H100': 989e12,
-             'A100': 312e12, 'L40S': 362e12, 'L4': 121e12}
+# Dense bf16 tensor-core peak FLOP/s by the exact torch.cuda.get_device_name() (a substring match gave "H200 NVL"
+# the H200's 989 and "L40" the L4's). NVIDIA data sheets, with 2:4 sparsity (halved here): H100 and H200 SXM 1,979,
+# H100 PCIe 1,513, H100 / H200 NVL 1,671, L4 242; dense as printed: A100 312, L40S 362.05, L40 181.05 TFLOP/s.
+# Another name: no MFU, and a note to give --peak-tflops.
+PEAK_BF16 = {'NVIDIA H100 80GB HBM3': 989.5e12, 'NVIDIA H100 PCIe': 756.5e12, 'NVIDIA H100 NVL': 835.5e12,
+             'NVIDIA H200': 989.5e12, 'NVIDIA H200 NVL': 835.5e12, 'NVIDIA A100-SXM4-80GB': 312e12,
+             'NVIDIA A100-SXM4-40GB': 312e12, 'NVIDIA A100-PCIE-40GB': 312e12, 'NVIDIA A100 80GB PCIe': 312e12,
+             'NVIDIA L40S': 362.05e12, 'NVIDIA L40': 181.05e12, 'NVIDIA L4': 121e12}
 
 
 def get_args(argv=None):
@@ -70,13 +78,29 @@ def get_args(argv=None):
     p.add_argument('--compile', action='store_true', help='also time torch.compile(model), both sides')
     p.add_argument('--min-run-time', type=float, help='seconds blocked_autorange times each step (default 2, full 10)')
     p.add_argument('--json', metavar='FILE', help='also write the rows (seconds, MiB, GFLOP) as JSON')
+    p.add_argument('--peak-tflops', type=float, help="the GPU's dense bf16 peak for MFU (default: PEAK_BF16's)")
+    p.add_argument('--sam-m', type=int, default=32, help='m of the m-sharpness SAM step (Foret et al. Sec. 4.1)')
     args = p.parse_args(argv)
     args.rows = [r for r in args.rows.split(',') if r]
+    if not args.rows:
+        raise UserError(f'--rows names no row; valid rows: {", ".join(ROWS)}, cifar')
     if bad := [r for r in args.rows if r not in (*ROWS, 'cifar')]:
         raise UserError(f'unknown row(s) {", ".join(bad)}; valid rows: {", ".join(ROWS)}, cifar')
-    for name in ('batch_size', 'img_size', 'min_run_time'):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise UserError(f'--{name.replace("_", "-")} must be positive, got {getattr(args, name)}')
+    for name in ('batch_size', 'img_size', 'min_run_time', 'peak_tflops', 'sam_m'):
+        if (v := getattr(args, name)) is not None and not (math.isfinite(v) and v > 0):  # nan: blocked_autorange hangs
+            raise UserError(f'--{name.replace("_", "-")} must be a finite number > 0, got {v}')
+    for name in (r for r in args.rows if args.img_size and r != 'cifar'):  # before building: one line, not a traceback
+        patch = {'vit': vit, 'mixer': mixer, 'convmixer': convmixer}[name.split('_')[0]].configs[name]['patch_size']
+        if args.img_size % patch if not name.startswith('convmixer') else args.img_size < patch:
+            raise UserError(f'--img-size {args.img_size} does not fit {name}\'s {patch} px patches (ViT, Mixer: a '
+                            'multiple of them; ConvMixer: at least one)')
+    if args.json:  # a real write into its folder now, not after the whole benchmark ran
+        try:
+            if os.path.isdir(args.json):
+                raise IsADirectoryError(21, 'a folder, not a file')
+            tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(args.json))).close()
+        except OSError as e:
+            raise UserError(f'--json {args.json} cannot be written: {e.strerror or e}')
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise UserError('--device cuda, but torch.cuda.is_available() is False; use --device cpu')
     cuda = args.device == 'cuda' or (args.device == 'auto' and torch.cuda.is_available())
@@ -96,8 +120,8 @@ def build(name, side, px):
     return {'vit': vit, 'mixer': mixer, 'convmixer': convmixer}[name.split('_')[0]].create(name, **size)
 
 
-def make_step(name, side, px, batch, amp, channels_last, device, compile=False, sam=False):
-    """(step, module, opt, x, y): step() runs one training step (a SAM step if sam) of one side."""
+def make_step(name, side, px, batch, amp, channels_last, device, compile=False, sam=False, m=None):
+    """(step, module, opt, x, y): step() runs one training step (SAM if sam; m < batch: m-sharpness) of one side."""
     torch.manual_seed(0)  # the same weights on both sides: ours loads timm's (the same keys)
     module = theirs = build(name, 'timm', px)
     if side == 'ours':
@@ -112,17 +136,21 @@ def make_step(name, side, px, batch, amp, channels_last, device, compile=False, 
     kw = dict(lr=1e-4, weight_decay=0.05, foreach=True)  # foreach: the default on CUDA, opt-in on CPU
     opt = SAM(module.parameters(), torch.optim.AdamW, rho=0.05, **kw) if sam else torch.optim.AdamW(
         module.parameters(), **kw)
+    groups = list(zip(x.split(m or batch), y.split(m or batch)))  # m-sharpness: k groups of m images (k = 1: plain SAM)
 
     def step():
-        if sam:  # Foret et al. Algorithm 1, in the order of sam.py's docstring
-            with first_pass(module), autocast:
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.first_step(zero_grad=True)  # w <- w + eps_hat
-            with second_pass(module), autocast:
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.second_step(zero_grad=True)  # w <- w_old, then AdamW with the SAM gradient
+        if sam:  # Foret et al. Algorithm 1 in sam.py's m-sharpness group loop (k = 1: the plain SAM step, bit for bit)
+            for j, (xg, yg) in enumerate(groups):
+                with first_pass(module), autocast:
+                    loss = F.cross_entropy(model(xg), yg)
+                loss.backward()
+                opt.first_step(zero_grad=True)  # w <- w + eps_hat_j; .grad <- the g_sam set aside so far
+                with second_pass(module, sync=j == len(groups) - 1), autocast:
+                    loss = F.cross_entropy(model(xg), yg) / len(groups)
+                loss.backward()
+                if j < len(groups) - 1:
+                    opt.next_group()  # w <- w_old; the sum of g_sam set aside
+            opt.second_step(zero_grad=True)  # w <- w_old, then AdamW with the mean g_sam
         else:
             opt.zero_grad(set_to_none=True)
             with autocast:
@@ -184,13 +212,17 @@ def bench_model(name, args, compile=False):
     row = dict(row=name, px=px, batch=batch, dtype=args.amp, mode='compile' if compile else 'eager',
                ref=f'timm {ROWS[name][0] if isinstance(ROWS[name][0], str) else "ConvMixer(256, 8, k5, p2)"}',
                gflops=train_gflops(lambda: build(name, 'ours', px), px))
-    for key, side, sam in (('ours', 'ours', False), ('ref', 'timm', False), ('sam', 'ours', True)):
-        step = make_step(name, side, *common, sam)[0]
+    row['sam_m'] = m = args.sam_m if args.sam_m < batch else max(1, batch // 4)  # 32 at 128; small batch: a quarter
+    for key, side, sam, m_ in (('ours', 'ours', 0, 0), ('ref', 'timm', 0, 0), ('sam', 'ours', 1, 0),
+                               ('sam_m', 'ours', 1, m)):
+        if compile:  # compiled sides share dynamo's cache: the next would recompile, dynamic in the batch; start clean
+            torch._dynamo.reset()
+        step = make_step(name, side, *common, bool(sam), m_)[0]
         step()  # first step: AdamW's state, cudnn.benchmark's choice, the compile
         row[f'{key}_s'] = median_s(step, args.min_run_time)
         del step
         # a compiled side's CPU RSS would count the compiler; it recompiles on CUDA: not measured
-        if key != 'sam' and not compile:
+        if not key.startswith('sam') and not compile:
             row[f'{key}_mib'] = peak_mib(args.device, warm_up, name, side, *common)
     return row
 
@@ -234,11 +266,11 @@ def fmt(x):
     return '—' if x is None else f'{x:,.0f}' if abs(x) >= 100 else f'{x:.3g}'
 
 
-def table(rows, gpu=None):
+def table(rows, gpu=None, peak_tflops=None):
     """The markdown table; gpu = the CUDA device's name adds achieved TFLOP/s (img/s x training FLOP
-    per image) and MFU (achieved / the device's peak, when PEAK_BF16 knows it), per side."""
-    peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None) if gpu else None
-    head = ['row', 'px', 'batch', 'dtype', 'mode', 'ours img/s', 'ref img/s', 'ours/ref', 'SAM/base',
+    per image) and MFU (achieved / the peak: peak_tflops, else PEAK_BF16[gpu]; neither: no MFU, a note), per side."""
+    peak = peak_tflops * 1e12 if peak_tflops else PEAK_BF16.get(gpu)
+    head = ['row', 'px', 'batch', 'dtype', 'mode', 'ours img/s', 'ref img/s', 'ours/ref', 'SAM/base', 'SAM m/base',
             'peak MiB ours / ref', 'train GFLOP/img'] + ['TFLOP/s ours / ref', 'MFU ours / ref'] * bool(gpu)
     lines = ['| ' + ' | '.join(head + ['reference; notes']) + ' |', '|' + '---|' * (len(head) + 1)]
     for r in rows:
@@ -246,12 +278,15 @@ def table(rows, gpu=None):
         cells = [r['row'], r['px'], r['batch'], r['dtype'], r['mode'], fmt(ips[0]), fmt(ips[1]),
                  f'{ips[0] / ips[1]:.2f}' if ips[1] else '—',
                  f"{r['sam_s'] / r['ours_s']:.2f}" if 'sam_s' in r else '—',
+                 f"{r['sam_m_s'] / r['ours_s']:.2f} (m {r['sam_m']})" if 'sam_m_s' in r else '—',
                  f"{fmt(r['ours_mib'])} / {fmt(r['ref_mib'])}" if 'ours_mib' in r else '—', fmt(r.get('gflops'))]
         if gpu:
             tflops = [i * r['gflops'] / 1e3 if i and 'gflops' in r else None for i in ips]
             cells += [' / '.join(map(fmt, tflops)),
                       ' / '.join(f'{100e12 * t / peak:.1f}%' if t and peak else '—' for t in tflops)]
         lines.append('| ' + ' | '.join(map(str, cells + ['; '.join(r[k] for k in ('ref', 'note') if k in r)])) + ' |')
+    if gpu and not peak:
+        lines.append(f'\nunknown GPU: give --peak-tflops (its dense bf16 peak) for MFU; {gpu!r} is not in PEAK_BF16')
     return '\n'.join(lines)
 
 
@@ -288,10 +323,10 @@ def main(argv=None):
     if 'cifar' in args.rows:
         print('[bench] cifar ...', file=sys.stderr, flush=True)
         rows += bench_cifar(args)
-    print(table(rows, torch.cuda.get_device_name(args.device) if args.device.type == 'cuda' else None))
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(dict(header=head, rows=rows), f, indent=1)
+    gpu = torch.cuda.get_device_name(args.device) if args.device.type == 'cuda' else None
+    print(table(rows, gpu, args.peak_tflops))
+    if args.json:  # (its folder was checked before the benchmark ran)
+        save_atomic(args.json, lambda f: f.write(json.dumps(dict(header=head, rows=rows), indent=1).encode()))
 
 
 if __name__ == '__main__':

@@ -59,10 +59,13 @@ class ConvMixer(nn.Module):
                                 in_chans=in_chans).items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f'{name} must be a positive integer, got {value!r}')
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+            # 0 is the documented headless model; a negative count used to build one silently
+            raise ValueError(f'num_classes must be an integer >= 0 (0: no head), got {num_classes!r}')
         if activation not in ('gelu', 'relu'):
             raise ValueError(f"activation must be one of ('gelu', 'relu'), got {activation!r}")
         act = {'gelu': nn.GELU, 'relu': nn.ReLU}[activation]
-        self.num_classes = num_classes
+        self.num_classes, self.patch_size = num_classes, patch_size
         # patch embedding, eq. (1): a p x p conv with stride p is a per-patch linear map
         self.stem = nn.Sequential(
             nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size),
@@ -89,6 +92,9 @@ class ConvMixer(nn.Module):
         # sets no init of its own.
 
     def forward_features(self, x):  # (B, 3, H, W) -> (B, h, H/p, W/p)
+        if min(x.shape[-2:]) < self.patch_size:  # (a shape: no host sync) the stem conv would fail cryptically
+            raise ValueError(f'input of {x.shape[-2]}x{x.shape[-1]} px is smaller than one {self.patch_size} px '
+                             'patch: a ConvMixer needs at least one whole patch')
         return self.blocks(self.stem(x))
 
     def forward(self, x):

@@ -120,6 +120,9 @@ class MlpMixer(nn.Module):
         for name, value in sizes.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f'{name} must be a positive integer, got {value!r}')
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+            # 0 is the documented headless model; a negative count used to build one silently
+            raise ValueError(f'num_classes must be an integer >= 0 (0: no head), got {num_classes!r}')
         if img_size % patch_size:
             raise ValueError(f'img_size={img_size} is not divisible by patch_size={patch_size}: the patch '
                              f'embedding drops the image border ({img_size % patch_size} px)')
@@ -177,6 +180,11 @@ def load_npz(path):
     away; tests/test_checkpoints.py). Inputs: (x - 0.5) / 0.5 on RGB in [0, 1]."""
     import numpy as np  # only here: the model itself needs nothing but torch and einops
 
+    import os
+    import zipfile
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):  # else np.load tries it as a pickle and suggests
+        raise ValueError(f'{path} is not an .npz (a zip archive of .npy arrays), so it has no array '  # allow_pickle
+                         "'stem/kernel': not an official MLP-Mixer .npz")
     with np.load(path) as npz:
         prefix = 'opt/target/' if 'opt/target/stem/kernel' in npz.files else ''
 

@@ -131,6 +131,13 @@ def load_weights(model, path, finetune=False, new_head=False):
         raise UserError(f'{path} does not fit this --model / --model-kw / --dataset: {one_line(e)}')
 
 
+def zero_head(model):
+    """True when the classifier (the last nn.Linear: head, fc) is all zeros, as in a train_contrastive.py backbone's
+    last.pt or a fresh ViT / Mixer: every image gets the same logits, so an accuracy is one class's share."""
+    head = [m for m in model.modules() if isinstance(m, nn.Linear)][-1:]
+    return bool(head) and not any(p.any() for p in head[0].parameters())  # (one host sync, once per model)
+
+
 def load_model(checkpoint, name=None, model_kw=None, dataset=None, num_classes=None, img_size=None):
     """The model in `checkpoint` (None: the fresh init), for robustness.py and geometry.py. Our last.pt stores its
     model, --model-kw, --dataset, --img-size and --classes; the arguments given win, and other files need name.

@@ -1,24 +1,19 @@
 """Robustness of any checkpoint of this repo: ImageNet-C, ImageNet-R, CIFAR-10-C, on-the-fly corruptions, PGD / FGSM.
 
-Chen, Hsieh & Gong 2021 (Sec. 4) score robustness as the MEAN ACCURACY over the 19 ImageNet-C
-corruptions x 5 severities (Hendrycks & Dietterich 2019: 15 benchmark corruptions + 4 extra ones)
-and as ImageNet-R top-1 (Hendrycks et al. 2021). This file reports both, the clean accuracy of the
-same model and preprocessing beside them, each group's mean, and the mCE most tools print (15
-corruptions, errors normalised by AlexNet's), which is not the paper's figure.
+Chen, Hsieh & Gong 2021 (Sec. 4) score robustness as the MEAN ACCURACY over the 19 ImageNet-C corruptions x 5
+severities (Hendrycks & Dietterich 2019: 15 benchmark corruptions + 4 extra) and as ImageNet-R top-1 (Hendrycks et
+al. 2021). This file reports both, the same model's clean accuracy beside them, each group's mean, and the mCE most
+tools print (15 corruptions, errors normalised by AlexNet's), which is not the paper's figure.
 
---benchmark imagenet-c  DATA/<corruption>/<1..5>/<wnid>/*.JPEG; --clean is the ImageNet val folder,
-                        whose sorted wnids are the model's class indices.
-            imagenet-r  DATA/<wnid>/*.jpg, 200 wnids; the 1000 logits are restricted to them before the
-                        argmax, as hendrycks/imagenet-r eval.py does (net(x)[:, mask]).
+--benchmark imagenet-c  DATA/<corruption>/<1..5>/<wnid>/*.JPEG; --clean, the ImageNet val folder, gives the classes.
+            imagenet-r  DATA/<wnid>/*.jpg, 200 wnids; the logits restricted to them (hendrycks/imagenet-r eval.py).
             cifar10-c   DATA/<corruption>.npy (severity s in rows (s-1)N..sN) + DATA/labels.npy.
-            corrupt     the --data set corrupted here by imagecorruptions (the benchmark's own code) and
-                        cached in the CIFAR-10-C layout: ImageNet-C's severity constants applied at the
-                        data's size (32 px for CIFAR), NOT the published CIFAR-10-C (re-tuned for 32 px).
+            corrupt     the --data set corrupted here by imagecorruptions and cached in the CIFAR-10-C layout:
+                        ImageNet-C's constants at the data's size, NOT the published CIFAR-10-C (re-tuned for 32 px).
 --attack pgd|fgsm       clean and robust accuracy on the clean set (Madry et al. 2018; pgd.py).
-`robustness.py compare A.json B.json --out x.png` draws the runs side by side. Under torchrun each image is
-counted once. Preprocessing is the checkpoint's own: CIFAR models see 32 px with their data set's mean/std;
-ImageNet models data.eval_transform's resize + centre crop with their recipe's size, crop_pct,
-interpolation and norm (our last.pt stores them; the flags override them).
+`robustness.py compare A.json B.json --out x.png` draws runs side by side. Under torchrun each image is counted once.
+Preprocessing is the checkpoint's: CIFAR models see 32 px with their data set's mean/std; ImageNet models
+data.eval_transform with their recipe's size, crop_pct, interpolation and norm (last.pt's; the flags override them).
 """
 import argparse
 import concurrent.futures
@@ -27,9 +22,11 @@ import hashlib
 import importlib.metadata
 import io
 import json
+import math
 import multiprocessing
 import os
 import pkgutil
+import signal
 import sys
 import tempfile
 import time
@@ -42,7 +39,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, make_dat
 import figures
 from augment import normalize
 from data import MEAN, MEANS, NUM_CLASSES, STD, eval_transform, folder_batches, folder_samples, load_cifar
-from models import load_model
+from models import load_model, zero_head
 from pgd import fgsm, pgd
 from runs import save_atomic, stored_args
 from utils import EXTRAS, UserError, epoch_seed, fmt_time, init_group, leave, setup
@@ -63,7 +60,8 @@ ALEXNET_ERR = dict(zip(BENCHMARK_15, [0.886428, 0.894468, 0.922640, 0.819880, 0.
 NOTE = ("on-the-fly corruptions: ImageNet-C's severity constants (imagecorruptions-imaug {v}) applied at "
         '{h}x{w} px, seed {seed}; this is NOT the published {which}')
 PLOT_HINT = ' (or pass --no-plot)'
-EVAL_PREP = dict(norm='jax', crop_pct=0.875, eval_interp='bilinear')  # train_imagenet's sam recipe
+CACHE_MARK = 'robustness.py --benchmark corrupt'  # meta.json's made_by: what makes a folder our cache
+EVAL_PREP = dict(norm='jax', crop_pct=0.875, eval_interp='bilinear', img_size=224)  # train_imagenet's sam recipe
 
 
 def get_args(argv=None):
@@ -71,11 +69,9 @@ def get_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument('--benchmark', choices=['imagenet-c', 'imagenet-r', 'cifar10-c', 'corrupt'],
                    help='what to evaluate (module docstring); may come with --attack')
-    p.add_argument('--data', required=True, metavar='DIR', help='the benchmark, or the clean set to corrupt or '
-                   'attack (a CIFAR root as train_cifar.py takes it, or an ImageNet folder DIR/<wnid>/*.JPEG)')
+    p.add_argument('--data', required=True, metavar='DIR', help='the benchmark, or the clean set to corrupt or attack')
     p.add_argument('--clean', metavar='DIR', help='beside a published benchmark: the ImageNet val folder or CIFAR root')
-    p.add_argument('--dataset', choices=['cifar10', 'cifar100', 'imagenet'], help='what the model was trained on '
-                   "(default: from our last.pt, else the benchmark's)")
+    p.add_argument('--dataset', choices=['cifar10', 'cifar100', 'imagenet'], help="the model's (default: from last.pt)")
     p.add_argument('--model', help='a model name of train_cifar.py / train_imagenet.py (default: from last.pt)')
     p.add_argument('--model-kw', nargs='*', metavar='K=V', help='constructor overrides (default: from last.pt)')
     p.add_argument('--checkpoint', required=True, metavar='PATH', help='any format the training scripts load')
@@ -88,13 +84,10 @@ def get_args(argv=None):
     p.add_argument('--severities', nargs='+', type=int, default=list(SEVERITIES), choices=SEVERITIES)
     p.add_argument('--subset', type=int, default=0, help='corrupt / attack: N class-balanced clean images (0 = all)')
     p.add_argument('--seed', type=int, default=0, help="seeds each image's corruption and PGD start")
-    p.add_argument('--cache', metavar='DIR', help='corrupt: where the corrupted set is kept (CIFAR-10-C layout) '
-                   'so that a second run only evaluates (default OUT/corrupted; share one between checkpoints)')
-    p.add_argument('--workers', type=int, default=min(8, os.cpu_count() or 1),
-                   help='processes that corrupt images / load ImageNet images (0 = this process)')
+    p.add_argument('--cache', metavar='DIR', help='corrupt: keeps the corrupted set (OUT/corrupted)')
+    p.add_argument('--workers', type=int, default=min(8, os.cpu_count() or 1), help='processes that corrupt / load')
     p.add_argument('--eval-batch-size', type=int, default=256, help='images per forward, per process')
-    p.add_argument('--amp', choices=['auto', 'bf16', 'off'], default='auto',
-                   help='bf16 autocast for the benchmark forwards (auto: on CUDA); the attack always runs fp32')
+    p.add_argument('--amp', choices=['auto', 'bf16', 'off'], default='auto', help='bf16 autocast (on CUDA)')
     p.add_argument('--attack', choices=['pgd', 'fgsm'], help='also clean and robust accuracy under this attack')
     p.add_argument('--eps', type=float, default=8.0, help='L-inf radius in /255 pixel units')
     p.add_argument('--alpha', type=float, default=2.0, help='PGD step in /255 pixel units')
@@ -108,10 +101,10 @@ def get_args(argv=None):
     if args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c') and not args.clean:
         raise UserError(f'--benchmark {args.benchmark} needs --clean DIR, the clean test set whose accuracy '
                         'goes beside the corrupted figures')
-    if not (args.eps >= 0 and args.alpha > 0 and args.steps >= 1 and args.subset >= 0 and args.workers >= 0
-            and args.eval_batch_size >= 1):
-        raise UserError('need --eps >= 0, --alpha > 0, --steps >= 1, --subset >= 0, --workers >= 0, '
-                        '--eval-batch-size >= 1')
+    if not (args.eps >= 0 and args.alpha > 0 and math.isfinite(args.eps + args.alpha) and args.steps >= 1
+            and args.subset >= 0 and args.workers >= 0 and args.eval_batch_size >= 1):  # (inf: robust above clean)
+        raise UserError(f'need finite --eps >= 0 and --alpha > 0, --steps >= 1, --subset >= 0, --workers >= 0, '
+                        f'--eval-batch-size >= 1; got --eps {args.eps:g} --alpha {args.alpha:g}')
     return args
 
 
@@ -173,12 +166,14 @@ def predict(model, x_u8, mean, std, amp=False, mask=None):
 
 
 def count(model, batches, mean, std, amp=False, mask=None):
-    """[correct, n] on this process, a float64 tensor on the model's device (for all_reduce)."""
+    """[correct, n] on this process, a float64 tensor on the model's device (for all_reduce). No host sync: n is a
+    Python number (no host-to-device copy), the copies in are non_blocking (asynchronous where the loader pins)."""
     model.eval()
     k = torch.zeros(2, dtype=torch.float64, device=mean.device)
     for x, y, _ in batches:
-        y = y.to(mean.device)
-        k += torch.stack([(predict(model, x.to(mean.device), mean, std, amp, mask) == y).sum(), y.new_tensor(len(y))])
+        y = y.to(mean.device, non_blocking=True)
+        k[0] += (predict(model, x.to(mean.device, non_blocking=True), mean, std, amp, mask) == y).sum()
+        k[1] += len(y)
     return k
 
 
@@ -208,16 +203,57 @@ def corruption_package():
         raise UserError(f'on-the-fly corruption needs the imagecorruptions-imaug package; {EXTRAS}') from None
 
 
+def open_cache(cache_dir):
+    """meta.json of a cache this script made, or None for a folder to make (absent or empty). Anything else is
+    refused: a cache never writes into a folder it did not make, nor reads another's arrays (a published
+    CIFAR-10-C: .npy files, no meta.json) as corruptions of its own."""
+    path = os.path.join(cache_dir, 'meta.json')
+    if not os.path.exists(cache_dir) or (os.path.isdir(cache_dir) and not os.listdir(cache_dir)):
+        return None
+    if not os.path.isfile(path):
+        raise UserError(f'--cache {cache_dir} is not a cache of robustness.py (no meta.json; a published CIFAR-10-C '
+                        'is --benchmark cifar10-c --data DIR): give a new or empty folder')
+    with open(path) as f:  # ours starts {"made_by": CACHE_MARK (save_atomic: written whole or not at all)
+        meta = json.loads(text) if CACHE_MARK in (text := f.read()) else None
+    if not isinstance(meta, dict) or meta.get('made_by') != CACHE_MARK:
+        raise UserError(f'--cache {cache_dir}: its meta.json is not robustness.py\'s; give a new or empty folder')
+    return meta
+
+
+def use_cache(cache_dir, meta, labels, corruptions):
+    """Rank 0: make the cache (meta.json first, marking the folder as ours) or check it holds this set, made by this
+    imagecorruptions version (refused otherwise: its images could differ). -> the corruptions it holds."""
+    old = open_cache(cache_dir)
+    if old is None:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            raise UserError(f'--cache {cache_dir}: {e.strerror or e}')
+        save_atomic(os.path.join(cache_dir, 'meta.json'), meta)  # first: from now on the folder is marked ours
+        save_atomic(os.path.join(cache_dir, 'labels.npy'), lambda f: np.save(f, np.tile(labels, len(SEVERITIES))))
+    elif any(old.get(k) != meta[k] for k in ('seed', 'n', 'image_shape', 'sha256')):
+        raise UserError(f'--cache {cache_dir} holds a corrupted set of other images or another seed '
+                        f'(seed {old.get("seed")}, {old.get("n")} images); pick another --cache')
+    elif old.get('package') != meta['package']:
+        raise UserError(f'--cache {cache_dir} was made by imagecorruptions-imaug {old.get("package")}, this is '
+                        f'{meta["package"]}: refused, its images could differ; delete it or pick another --cache')
+    cached, want = set(), (len(SEVERITIES) * meta['n'], *meta['image_shape'])
+    for c in corruptions:
+        if os.path.isfile(path := os.path.join(cache_dir, f'{c}.npy')):
+            if (a := np.load(path, mmap_mode='r')).dtype != np.uint8 or a.shape != want:
+                raise UserError(f'{path} is {a.dtype} {a.shape}, not the uint8 {want} of its meta.json; delete it')
+            cached.add(c)
+    return cached
+
+
 def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPTIONS, severities=SEVERITIES,
                         seed=0, cache_dir=None, batch_size=256, *, workers=0, rank=0, world=1, amp=False,
                         progress=False):
-    """Accuracy (%) of `model` on uint8 images (N, 3, H, W), H, W >= 32, corrupted on the fly, and clean.
-
-    mean, std: the model's input normalisation on [0, 1] pixels (3 numbers each). cache_dir: keep the
-    corrupted set there (CIFAR-10-C layout, all 5 severities) so that the next call only evaluates;
-    None: in memory. workers: spawned processes that corrupt. Under torch.distributed pass rank and
-    world (call it on every rank): each rank corrupts and counts its contiguous slice, rank 0 writes
-    the cache, the counts are all-reduced. progress: a line on stderr per corruption made.
+    """Accuracy (%) of `model` on uint8 images (N, 3, H, W), H, W >= 32, corrupted on the fly, and clean. mean, std:
+    the input normalisation on [0, 1] pixels. cache_dir: keep the corrupted set there (CIFAR-10-C layout, all 5
+    severities; a folder it made, or a new or empty one) so that the next call only evaluates; None: in memory.
+    workers: spawned processes that corrupt. Under torch.distributed call it on every rank with rank and world:
+    each corrupts and counts its slice, rank 0 writes the cache. progress: a line on stderr per corruption made.
     Returns summarize()'s dict (clean, counts, acc, corruption_mean, mean_acc, groups, gap) + note."""
     version = corruption_package()
     if len(labels) != len(images_u8) or images_u8.dtype != torch.uint8 or images_u8.ndim != 4 \
@@ -230,32 +266,24 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
     labels = np.asarray(labels, np.int64)
     n, (lo, hi) = len(labels), rank_slice(len(labels), rank, world)
     made = SEVERITIES if cache_dir else severities  # a cached file holds all five
-    cached = set()
-    if cache_dir:  # meta.json says which set the cache holds: other images or another seed are refused
-        meta = {'seed': seed, 'n': n, 'image_shape': list(images.shape[1:]), 'package': version,
+    cached, error = set(), None
+    if cache_dir:  # rank 0 alone looks and writes (another rank could see a half-made folder); all get its verdict
+        meta = {'made_by': CACHE_MARK, 'seed': seed, 'n': n, 'image_shape': list(images.shape[1:]), 'package': version,
                 'sha256': hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()}
-        path = os.path.join(cache_dir, 'meta.json')
-        if os.path.isfile(path):
-            with open(path) as f:
-                old = json.load(f)
-            if any(old.get(k) != meta[k] for k in ('seed', 'n', 'image_shape', 'sha256')):
-                raise UserError(f'--cache {cache_dir} holds a corrupted set of other images or another seed '
-                                f'(seed {old.get("seed")}, {old.get("n")} images); pick another --cache')
-        elif rank == 0:
+        if rank == 0:
             try:
-                os.makedirs(cache_dir, exist_ok=True)
-            except OSError as e:
-                raise UserError(f'--cache {cache_dir}: {e.strerror or e}')
-            save_atomic(os.path.join(cache_dir, 'labels.npy'), lambda f: np.save(f, np.tile(labels, len(SEVERITIES))))
-            save_atomic(path, meta)
-        cached = {c for c in corruptions if os.path.isfile(os.path.join(cache_dir, f'{c}.npy'))}
-        if world > 1:  # every rank works from rank 0's view (another rank may look before rank 0 wrote)
-            box = [cached]
-            dist.broadcast_object_list(box)
-            cached = box[0]
-    pool = None  # spawned, not forked: this process already runs torch's threads
-    if workers and set(corruptions) - cached:
-        pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context('spawn'))
+                cached = use_cache(cache_dir, meta, labels, corruptions)
+            except UserError as e:
+                error = str(e)
+        if world > 1:
+            dist.broadcast_object_list(box := [error, cached])
+            error, cached = box
+        if error:
+            raise UserError(error)
+    pool, sigint = None, (signal.SIGINT, signal.SIG_IGN)  # spawned, not forked (this process runs torch's threads);
+    if workers and set(corruptions) - cached:  # deaf to Ctrl-C: this process stops them, no traceback from each
+        pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context('spawn'),
+                                                      initializer=signal.signal, initargs=sigint)
     counts, t0 = [], time.time()
     try:
         for i, c in enumerate(corruptions):
@@ -267,10 +295,10 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
                 parts = list(pool.map(corrupt_chunk, tasks) if pool else map(corrupt_chunk, tasks))
                 k = len(tasks) // len(made)  # chunks per severity
                 rows = {s: np.concatenate(parts[m * k:(m + 1) * k] or [images[:0]]) for m, s in enumerate(made)}
-                if cache_dir:  # rank 0 gathers every rank's rows and writes the file in one piece
-                    everyone = [rows] * world
+                if cache_dir:  # rank 0 gathers every rank's rows (only rank 0: at 224 px they are GBs) and writes
+                    everyone = [rows] * world  # the file in one piece
                     if world > 1:
-                        dist.all_gather_object(everyone, rows)
+                        dist.gather_object(rows, everyone if rank == 0 else None, dst=0)
                     if rank == 0:
                         save_atomic(os.path.join(cache_dir, f'{c}.npy'), lambda f: np.save(f, np.concatenate(
                             [np.concatenate([p[s] for p in everyone]) for s in SEVERITIES])))
@@ -346,23 +374,37 @@ def imagenet_r_mask(classes):
 
 
 # -----------------------------------------------------------------------------
+def uniform_start(seed, idx, shape):
+    """U[0, 1) of shape (len(idx), *shape) on idx's device in one draw, counter-based: element j of image i is
+    mix32(mix32(j) ^ mix32(idx[i] ^ epoch_seed(seed))) >> 8, times 2^-24 (exact in float32). So a start depends on
+    (seed, index) alone, not on batch, workers, world size or device; no generator per image, no copy from the host."""
+    def mix32(x):  # Chris Wellons' lowbias32 on 32-bit values in int64: x * c mod 2^32 in 16-bit halves, no overflow
+        for shift, c in ((16, 0x7feb352d), (15, 0x846ca68b)):
+            x = x ^ (x >> shift)
+            x = (x * (c & 0xFFFF) + ((x * (c >> 16)) & 0xFFFF) * 65536) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    key = mix32(idx.long() ^ epoch_seed(seed))[:, None]
+    j = mix32(torch.arange(math.prod(shape), device=idx.device))[None]
+    return ((mix32(j ^ key) >> 8).float() * 2.0 ** -24).view(len(idx), *shape)
+
+
 def attack_counts(model, batches, mean, std, kind, eps, alpha, steps, seed):
     """batches of (uint8 x, labels, indices) -> [clean correct, robust correct, n] on this process, in fp32.
-    Each image's PGD random start U(-eps, eps) comes from its own generator, seeded from (seed, index)."""
+    Each image's PGD random start U(-eps, eps) is uniform_start's, keyed by (seed, index). No host sync."""
     pixels = lambda v: normalize(v * 255, mean, std)  # noqa: E731  attacked on [0, 1] pixels: eps is /255
     k = torch.zeros(3, dtype=torch.float64, device=mean.device)
     for x_u8, y, idx in batches:
-        x_u8, y = x_u8.to(mean.device), y.to(mean.device)
+        x_u8, y = (t.to(mean.device, non_blocking=True) for t in (x_u8, y))
         x = x_u8.float() / 255
         if kind == 'fgsm':
             x_adv = fgsm(model, x, y, eps, normalize=pixels)
         else:
-            start = torch.stack([torch.rand(x.shape[1:], generator=torch.Generator().manual_seed(epoch_seed(seed, i)))
-                                 for i in idx.tolist()]).to(x.device) * 2 * eps - eps
+            start = (uniform_start(seed, idx.to(mean.device, non_blocking=True), x.shape[1:]) * 2 - 1) * eps
             x_adv = pgd(model, x, y, eps, alpha, steps, random_start=start, normalize=pixels)
         with torch.no_grad():
-            k += torch.stack([(predict(model, x_u8, mean, std) == y).sum(), (model(pixels(x_adv)).argmax(1) == y).sum(),
-                              y.new_tensor(len(y))])
+            k[:2] += torch.stack([(predict(model, x_u8, mean, std) == y).sum(),
+                                  (model(pixels(x_adv)).argmax(1) == y).sum()])
+            k[2] += len(y)
     return k
 
 
@@ -371,8 +413,7 @@ def preprocessing(args, stored, dataset):
     stored, else the SAM recipe's (timm's SAM ViTs: crop 0.9, bicubic: pass them)."""
     if dataset != 'imagenet':
         return dict(img_size=32, mean=MEAN[dataset], std=STD[dataset])
-    prep = {k: getattr(args, k) or stored.get(k) or EVAL_PREP[k] for k in ('norm', 'crop_pct', 'eval_interp')}
-    prep['img_size'] = args.img_size or stored.get('img_size') or 224
+    prep = {k: getattr(args, k) or stored.get(k) or EVAL_PREP[k] for k in EVAL_PREP}
     prep['mean'], prep['std'] = MEANS[prep['norm']]
     return prep
 
@@ -438,6 +479,10 @@ def compare(argv):
             raise UserError(f'cannot read {path}: {e}')
         if 'corruption_mean' not in runs[-1]:
             raise UserError(f'{path} holds no corruption figures (from a --benchmark run of robustness.py)')
+    kinds = [f'{r["benchmark"]} run at severities {",".join(next(iter(r["acc"].values())))}' for r in runs]
+    if bad := [i for i, kind in enumerate(kinds) if kind != kinds[0]]:  # one chart, one title: like with like
+        raise UserError(f'{args.results[bad[0]]} is a {kinds[bad[0]]}, {args.results[0]} a {kinds[0]}: compare runs '
+                        'of one benchmark and severity set')
     labels = args.labels or [f'{r["model"]} ({r["checkpoint"]})' for r in runs]
     figures.corruption_bars(runs, labels, runs[0]['benchmark'], args.out, PLOT_HINT)
     print(f'wrote {args.out}')
@@ -449,23 +494,26 @@ def main(argv=None):
     if argv[:1] == ['compare']:
         return compare(argv[1:])
     args = get_args(argv)
-    t_start = time.time()
+    fresh = not os.path.exists(args.out)
+    try:
+        return run(args, *prepare(args))
+    except BaseException:  # a refusal, Ctrl-C, a crash: an --out made by this run and still empty goes again
+        if fresh and os.path.isdir(args.out) and not os.listdir(args.out):
+            os.rmdir(args.out)
+        raise
 
-    # --- before anything slow: the output folder, the optional packages, the checkpoint, the classes ---
-    out_json = os.path.join(args.out, 'results.json')
+
+def prepare(args):
+    """The checks before anything slow or written, then a real write into --out. -> (stored, dataset, clean, ...)"""
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UserError(f'--out {args.out} is a file, not a folder')
-    if os.path.exists(out_json) and not args.overwrite:
+    if os.path.exists(os.path.join(args.out, 'results.json')) and not args.overwrite:
         raise UserError(f'--out {args.out} already holds results.json; pick another --out or pass --overwrite')
-    try:  # a real write now, not after hours of evaluation (permission bits do not stop root)
-        os.makedirs(args.out, exist_ok=True)
-        tempfile.TemporaryFile(dir=args.out).close()
-    except OSError as e:
-        raise UserError(f'--out {args.out} is not writable: {e.strerror or e}')
     if args.benchmark and not args.no_plot:
         figures.pyplot(PLOT_HINT)
     if args.benchmark == 'corrupt':
         corruption_package()
+        open_cache(args.cache or os.path.join(args.out, 'corrupted'))  # (again with the images, on rank 0)
     if not os.path.isfile(args.checkpoint):
         raise UserError(f'--checkpoint {args.checkpoint}: no such file')
     stored = stored_args(args.checkpoint, '--checkpoint') or {}  # our last.pt (any script), else {}
@@ -475,11 +523,22 @@ def main(argv=None):
         raise UserError(f'--benchmark {args.benchmark} needs an ImageNet model; {args.checkpoint} is a {dataset} one')
     if args.benchmark == 'cifar10-c' and dataset != 'cifar10':
         raise UserError(f'CIFAR-10-C has the 10 classes of cifar10; {args.checkpoint} is a {dataset} model')
+    if dataset != 'imagenet' and (given := [k for k in EVAL_PREP if getattr(args, k) is not None]):
+        raise UserError(f'--{given[0].replace("_", "-")} only applies to ImageNet models; {args.checkpoint} is a '
+                        f'{dataset} model, which sees 32 px with its data set\'s mean/std')
     clean_root = args.clean if args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c') else args.data
-    if dataset == 'imagenet':  # the clean folder's sorted wnids are the model's classes
-        classes, samples = folder_samples(clean_root, args.subset)
-        mask = imagenet_r_mask(classes) if args.benchmark == 'imagenet-r' else None
+    classes, samples = folder_samples(clean_root, args.subset) if dataset == 'imagenet' else (None, None)  # (sorted)
+    try:  # a real write now, not after hours of evaluation (permission bits do not stop root)
+        os.makedirs(args.out, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out).close()
+    except OSError as e:
+        raise UserError(f'--out {args.out} is not writable: {e.strerror or e}')
+    return stored, dataset, clean_root, classes, samples
 
+
+def run(args, stored, dataset, clean_root, classes, samples):
+    t_start = time.time()
+    mask = imagenet_r_mask(classes) if args.benchmark == 'imagenet-r' else None
     # --- distributed setup, the torchrun way; the model and the clean set ---
     proc = setup(args.amp)  # rank, device (cuda:LOCAL_RANK when there is a GPU)
     rank, world, device, amp, batch = proc.rank, proc.world, proc.device, proc.amp == 'bf16', args.eval_batch_size
@@ -487,6 +546,9 @@ def main(argv=None):
     prep = preprocessing(args, stored, dataset)
     model, info = load_model(args.checkpoint, args.model, args.model_kw, dataset, img_size=prep['img_size'],
                              num_classes=len(classes) if dataset == 'imagenet' else NUM_CLASSES[dataset])
+    if zero_head(model):  # every image would get one class: chance reported as the model's accuracy
+        raise UserError(f'{args.checkpoint}: its classifier head is all zeros (a train_contrastive.py backbone?); '
+                        f'fine-tune it first: train_cifar.py --pretrained {args.checkpoint}')
     model, name, kw = model.to(device), info['name'], info['model_kw']
     if dataset == 'imagenet':
         transform = uint8_transform(prep)
@@ -498,8 +560,6 @@ def main(argv=None):
          'dataset': dataset, 'data': args.data, 'clean_set': clean_root, 'preprocessing': prep, 'seed': args.seed,
          'world_size': world, 'amp': amp, 'device': str(device)}
     cells = [(c, s) for c in args.corruptions for s in args.severities]
-
-    # --- the benchmark ---
     if args.benchmark == 'cifar10-c':
         arrays, labels = read_cifar10c(args.data, args.corruptions, 10)
         n = len(labels) // len(SEVERITIES)
@@ -538,9 +598,7 @@ def main(argv=None):
         r.update(corruption_accuracy(model, x_clean, y_clean, prep['mean'], prep['std'], args.corruptions,
                                      args.severities, args.seed, args.cache or os.path.join(args.out, 'corrupted'),
                                      batch, workers=args.workers, rank=rank, world=world, amp=amp, progress=rank == 0))
-
-    # --- the attack, on the clean set ---
-    if args.attack:
+    if args.attack:  # on the clean set
         batches = (folder_batches(samples, transform, batch, args.workers, rank, world) if dataset == 'imagenet' else
                    array_batches(clean_hwc, y_clean, *rank_slice(len(y_clean), rank, world), batch))
         k = all_reduce([attack_counts(model, batches, mean, std, args.attack, args.eps / 255, args.alpha / 255,
@@ -551,12 +609,10 @@ def main(argv=None):
                            clean_correct=k[0], robust_correct=k[1], n=k[2], clean_acc=100 * k[0] / k[2],
                            robust_acc=100 * k[1] / k[2])
         r.setdefault('clean', pct(k[0], k[2]))
-
-    # --- report ---
     r['wall_s'] = time.time() - t_start
     if rank == 0:
         print(table(r))
-        save_atomic(out_json, r)
+        save_atomic(os.path.join(args.out, 'results.json'), r)
         save_atomic(os.path.join(args.out, 'results.csv'), lambda f: f.write(csv_text(r).encode()))
         if 'acc' in r and not args.no_plot:
             figures.heatmap(r, os.path.join(args.out, 'heatmap.png'), PLOT_HINT)
@@ -570,3 +626,5 @@ if __name__ == '__main__':
         main()
     except UserError as e:
         sys.exit(f'robustness.py: error: {e}')
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT; the cache keeps what it finished
+        sys.exit(print('robustness.py: interrupted', file=sys.stderr) or 130)

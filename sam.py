@@ -71,10 +71,23 @@ Cost: two forward/backward passes, one saved copy of w, and while first_step run
 of the move (ASAM: two more, of T and T g). Self-contained: imports only torch.
 """
 import contextlib
+import math
+import numbers
 
 import torch
 
 BATCHNORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+
+
+def check_group(group):
+    """rho and eta are finite real numbers >= 0: a string would fail only inside first_step, and rho = inf
+    moves w to inf (then NaN) on the first step."""
+    for key in ('rho', 'eta'):
+        v = group[key]
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f'{key} must be a real number, got {type(v).__name__} {v!r}')
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f'{key} must be a finite number >= 0, got {v}')
 
 
 class SAM(torch.optim.Optimizer):
@@ -94,10 +107,7 @@ class SAM(torch.optim.Optimizer):
             raise TypeError('base_optimizer must be an optimizer class such as torch.optim.AdamW, '
                             'with its arguments passed to SAM: '
                             'SAM(model.parameters(), torch.optim.AdamW, rho=0.05, lr=1e-3)')
-        if not rho >= 0.0:
-            raise ValueError(f'rho must be >= 0, got {rho}')
-        if not eta >= 0.0:
-            raise ValueError(f'eta must be >= 0, got {eta}')
+        check_group(dict(rho=rho, eta=eta))
         super().__init__(params, dict(rho=rho, adaptive=adaptive, eta=eta))
         self.base_optimizer = base_optimizer(self.param_groups, **base_kwargs)
         self.param_groups = self.base_optimizer.param_groups  # one set of groups for both objects
@@ -108,10 +118,12 @@ class SAM(torch.optim.Optimizer):
         self.set_aside = None  # m-sharpness: param -> sum of g_sam over the groups done so far
 
     def add_param_group(self, param_group):
-        if not hasattr(self, 'base_optimizer'):  # during Optimizer.__init__
-            return super().add_param_group(param_group)
+        if not hasattr(self, 'base_optimizer'):  # during Optimizer.__init__ (it fills in the defaults)
+            super().add_param_group(param_group)
+            return check_group(self.param_groups[-1])
         for key in ('rho', 'adaptive', 'eta'):
             param_group.setdefault(key, self.defaults[key])
+        check_group(param_group)
         self.base_optimizer.add_param_group(param_group)  # appends to the shared list
 
     @torch.no_grad()

@@ -52,6 +52,8 @@ def drop_path(x, p, training):
 def resample_pos_embed(pos_embed, new_grid, num_prefix_tokens=1):
     """Bicubically resize the (1, prefix + h*h, D) position embedding to a new (h', w') grid,
     keeping the class-token entry (ViT paper Sec. 3.2, "Fine-tuning and higher resolution")."""
+    if len(new_grid) != 2 or not all(isinstance(n, (int, torch.SymInt)) and n >= 1 for n in new_grid):
+        raise ValueError(f'new_grid must be (rows, cols) of positive integers, got {tuple(new_grid)}')
     prefix, grid = pos_embed[:, :num_prefix_tokens], pos_embed[:, num_prefix_tokens:]
     old = math.isqrt(grid.shape[1])
     if old * old != grid.shape[1]:
@@ -170,6 +172,9 @@ class VisionTransformer(nn.Module):
         for name, value in sizes.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f'{name} must be a positive integer, got {value!r}')
+        if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+            # 0 is the documented headless model; a negative count used to build one silently
+            raise ValueError(f'num_classes must be an integer >= 0 (0: no head), got {num_classes!r}')
         if dim % heads:
             raise ValueError(f'heads={heads} does not divide dim={dim} (each head gets dim/heads channels)')
         if img_size % patch_size:
@@ -259,6 +264,11 @@ def load_npz(path):
     Inputs: (x - 0.5) / 0.5 on RGB in [0, 1]."""
     import numpy as np  # only here: the model itself needs nothing but torch and einops
 
+    import os
+    import zipfile
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):  # else np.load tries it as a pickle and suggests
+        raise ValueError(f'{path} is not an .npz (a zip archive of .npy arrays), so it has no array '  # allow_pickle
+                         "'embedding/kernel': not an official ViT .npz")
     with np.load(path) as npz:
         prefix = 'opt/target/' if 'opt/target/embedding/kernel' in npz.files else ''
 

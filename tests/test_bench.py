@@ -107,11 +107,13 @@ def test_table_is_batch_over_the_measured_medians(monkeypatch, capsys):
     assert f'Command: `python bench.py {" ".join(argv)}`' in out
     (table,) = markdown_tables(out)  # ONE table
     model, aug, step = table
-    (_, ours), (_, ref), (_, sam), (_, aug_ours), (_, aug_ref), (_, aug_dev), (_, train) = RecordingTimer.log
-    assert [threads for threads, _ in RecordingTimer.log] == [2, 2, 2, 1, 1, 2, 2]
+    ours, ref, sam, sam_m, aug_ours, aug_ref, aug_dev, train = (median for _, median in RecordingTimer.log)
+    assert [threads for threads, _ in RecordingTimer.log] == [2, 2, 2, 2, 1, 1, 2, 2]
     assert model['row'] == 'convmixer_256_8' and (model['px'], model['batch'], model['dtype']) == ('8', '4', 'off')
     assert close(model['ours img/s'], 4 / ours) and close(model['ref img/s'], 4 / ref)
     assert close(model['ours/ref'], ref / ours, 2) and close(model['SAM/base'], sam / ours, 2)
+    m_ratio, m = re.fullmatch(r'([\d.]+) \(m (\d+)\)', model['SAM m/base']).groups()  # --sam-m 32 >= batch 4: a quarter
+    assert close(m_ratio, sam_m / ours, 2) and m == '1'
     assert model['peak MiB ours / ref'] == '11 / 22'
     assert close(model['train GFLOP/img'], convmixer_train_gflops(256, 8, 5, 2, 8, 10))
     assert aug['row'] == 'cifar augment, 1 core'
@@ -201,14 +203,21 @@ def test_unknown_row_is_one_clear_line():
 
 def test_gpu_columns_tflops_and_mfu_arithmetic(monkeypatch):
     """CUDA-only columns with made-up rows: achieved = img/s x training FLOP/img, MFU = achieved /
-    the named chip's dense bf16 peak (data sheets: H200 989, H100 PCIe 756, L4 121, L40S 362
-    TFLOP/s); an unknown chip gets no MFU, not a made-up one; rows without FLOPs stay empty."""
+    the chip's dense bf16 peak, by its exact torch.cuda.get_device_name() (NVIDIA data sheets, 2:4 sparse
+    figures halved: H200 / H100 SXM 1,979, H100 PCIe 1,513, H200 NVL 1,671, L4 242; dense: L40S 362.05,
+    L40 181.05). A substring match gave the H200 NVL the H200's peak and the L40 the L4's. An unknown chip gets
+    no MFU, not a made-up one, and a note to give --peak-tflops, which also overrides a known one."""
     rows = [dict(row='vit_b16', px=224, batch=64, dtype='bf16', mode='eager', ours_s=0.064, ref_s=0.08,
                  sam_s=0.13, gflops=52.8, ref='timm'),
             dict(row='cifar step', px=32, batch=512, dtype='bf16', mode='eager', ours_s=0.5)]
-    for gpu, peak in (('NVIDIA H200', 989e12), ('NVIDIA H100 PCIe', 756e12), ('NVIDIA L4', 121e12),
-                      ('NVIDIA L40S', 362e12), ('Tesla T4', None)):
-        vit, cifar = markdown_tables(bench.table(rows, gpu))[0]
+    for gpu, peak, given in (('NVIDIA H200', 989.5e12, None), ('NVIDIA H200 NVL', 835.5e12, None),
+                             ('NVIDIA H100 80GB HBM3', 989.5e12, None), ('NVIDIA H100 PCIe', 756.5e12, None),
+                             ('NVIDIA L4', 121e12, None), ('NVIDIA L40', 181.05e12, None),
+                             ('NVIDIA L40S', 362.05e12, None), ('Tesla T4', None, None), ('Tesla T4', 65e12, 65),
+                             ('NVIDIA H200 NVL', 700e12, 700)):
+        text = bench.table(rows, gpu, given)
+        assert ('unknown GPU: give --peak-tflops' in text) == (peak is None), gpu
+        vit, cifar = markdown_tables(text)[0]
         assert vit['TFLOP/s ours / ref'] == '52.8 / 42.2'  # 1000 and 800 img/s x 52.8 GFLOP
         mfu = vit['MFU ours / ref'].split(' / ')
         if peak is None:
@@ -227,3 +236,87 @@ def test_cifar_rows_time_train_cifars_default_run():
     import train_cifar
     defaults = vars(train_cifar.get_args([]))
     assert {k: defaults[k] for k in bench.CIFAR_RUN} == bench.CIFAR_RUN
+
+
+def cli(argv, monkeypatch):
+    """bench.py run as `python bench.py ARGV` (its __main__ block, in this process): the SystemExit's code,
+    which Python prints as the one line on stderr (exit status 1) when it is a string."""
+    import runpy
+    monkeypatch.setattr(sys, 'argv', ['bench.py', *argv])
+    monkeypatch.setattr(bench, 'bench_model', lambda *a: pytest.fail('benchmarked before refusing'))
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(REPO / 'bench.py'), run_name='__main__')
+    return e.value.code
+
+
+@pytest.mark.parametrize('argv,line', [
+    (['--rows', 'vit_b16', '--img-size', '100'], "--img-size 100 does not fit vit_b16's 16 px patches"),
+    (['--rows', 'mixer_s16,cifar', '--img-size', '40'], "--img-size 40 does not fit mixer_s16's 16 px patches"),
+    (['--rows', 'convmixer_768_32', '--img-size', '5'], "--img-size 5 does not fit convmixer_768_32's 7 px patches"),
+    (['--rows', ''], '--rows names no row; valid rows: vit_s16,'),
+    (['--rows', ',', '--quick'], '--rows names no row'),
+    (['--min-run-time', 'nan'], '--min-run-time must be a finite number > 0, got nan'),
+    (['--min-run-time', 'inf'], '--min-run-time must be a finite number > 0, got inf'),
+    (['--peak-tflops', '-1'], '--peak-tflops must be a finite number > 0, got -1.0'),
+    (['--sam-m', '0'], '--sam-m must be a finite number > 0, got 0'),
+    (['--json', 'MISSING/bench.json'], '--json MISSING/bench.json cannot be written: No such file or directory'),
+    (['--json', 'DIR'], '--json DIR cannot be written: a folder, not a file'),
+    (['--json', '/sys/bench.json'], '--json /sys/bench.json cannot be written: '),  # read-only, even for root
+])
+def test_bad_flags_are_one_line_before_anything_runs(argv, line, tmp_path, monkeypatch):
+    """Each used to be a traceback (a patch size that does not divide, a --json written after the whole benchmark
+    ran), an empty table, or a hang (nan). Now: one line, exit status 1, refused before any row runs, no file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'DIR').mkdir()
+    code = cli(argv, monkeypatch)
+    assert isinstance(code, str) and code.startswith('bench.py: error: ' + line) and '\n' not in code, code
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['DIR'] and not any((tmp_path / 'DIR').iterdir())
+
+
+def test_compiled_sides_start_from_a_clean_dynamo_cache(monkeypatch):
+    """torch._dynamo.reset() (its documented public API) before each compiled side: else a later row of the same
+    code (ConvMixer-256/8, then -768/32) recompiles with a dynamic batch and is timed as such."""
+    events = []
+    monkeypatch.setattr(torch._dynamo, 'reset', lambda: events.append('reset'))
+    monkeypatch.setattr(torch, 'compile', lambda module: events.append('compile') or module)
+    monkeypatch.setattr(bench, 'median_s', lambda fn, *a, **k: fn() or 1.0)
+    args = bench.get_args(['--rows', 'convmixer_256_8', '--batch-size', '4', '--img-size', '8', '--device', 'cpu'])
+    row = bench.bench_model('convmixer_256_8', args, compile=True)
+    assert events == ['reset', 'compile'] * 4 and row['mode'] == 'compile' and 'sam_m_s' in row
+    events.clear()
+    bench.bench_model('convmixer_256_8', args, compile=False)
+    assert events == []  # eager rows neither compile nor touch the cache
+
+
+def test_timed_m_sharpness_step_is_the_group_loop_written_out():
+    """--sam-m: the step bench times with m = 2 of a batch of 4 equals m-sharpness written out here (Foret et al.
+    Sec. 4.1): per group j of m images, eps_j = rho g_j / ||g_j|| from that group's own gradient at w, g_sam_j at
+    w + eps_j; AdamW from w with the mean of the g_sam_j. It is neither the whole-batch SAM step nor a plain one."""
+    step, module, opt, x, y = bench.make_step('convmixer_256_8', 'ours', 8, 4, 'off', False, CPU, sam=True, m=2)
+    ref = copy.deepcopy(module)
+    step()
+    params, g_sam = list(ref.parameters()), None
+    for xg, yg in zip(x.split(2), y.split(2)):
+        ref.zero_grad()
+        F.cross_entropy(ref(xg), yg).backward()
+        with torch.no_grad():
+            norm = torch.cat([p.grad.flatten() for p in params]).norm()
+            eps = [0.05 * p.grad / norm for p in params]
+            for p, e in zip(params, eps):
+                p.add_(e)
+        ref.zero_grad()
+        F.cross_entropy(ref(xg), yg).backward()
+        with torch.no_grad():
+            for p, e in zip(params, eps):
+                p.sub_(e)
+        g = [p.grad / 2 for p in params]
+        g_sam = g if g_sam is None else [a + b for a, b in zip(g_sam, g)]
+
+    def rel(a, b):
+        a, b = torch.cat([u.flatten() for u in a]), torch.cat([v.flatten() for v in b])
+        return float((a - b).norm() / b.norm())
+    first_moment = [opt.state[p]['exp_avg'] / 0.1 for p in module.parameters()]  # (1 - beta1) x the gradient given
+    assert rel(first_moment, g_sam) < 1e-4
+    whole = bench.make_step('convmixer_256_8', 'ours', 8, 4, 'off', False, CPU, sam=True)
+    whole[0]()
+    assert rel([whole[2].state[p]['exp_avg'] / 0.1 for p in whole[1].parameters()], g_sam) > 0.01

@@ -352,7 +352,11 @@ BAD_SHAPES = [
     (C, dict(dim=0), 'dim must be a positive integer, got 0'),
     (C, dict(kernel_size=0), 'kernel_size must be a positive integer, got 0'),
     (C, dict(patch_size=0), 'patch_size must be a positive integer, got 0'),
-    (C, dict(activation='swish'), r"activation must be one of \('gelu', 'relu'\), got 'swish'"),
+    (C, dict(activation='swish'), r"activation must be one of \('gelu', 'relu'\), got 'swish'"),    # a negative class count used to build a headless model silently (0 stays: headless on purpose)
+    (V, dict(num_classes=-5), r'num_classes must be an integer >= 0 \(0: no head\), got -5'),
+    (M, dict(num_classes=-1), r'num_classes must be an integer >= 0 \(0: no head\), got -1'),
+    (C, dict(num_classes=-1), r'num_classes must be an integer >= 0 \(0: no head\), got -1'),
+    (C, dict(num_classes=2.5), r'num_classes must be an integer >= 0 \(0: no head\), got 2.5'),
 ]
 
 
@@ -371,3 +375,47 @@ def test_vit_input_that_does_not_divide_into_patches_is_an_error():
         assert model(torch.randn(1, 3, 40, 24)).shape == (1, 1000)
         with pytest.raises(ValueError, match='input of 30x32 px does not divide into 8 px patches'):
             model(torch.randn(1, 3, 30, 32))
+
+
+def test_headless_and_named_configs_refuse_a_negative_class_count():
+    """create() passes num_classes through: the README's example fails with the reason; 0 is still headless."""
+    for module, name in ((vit, 'vit_ti16'), (convmixer, 'convmixer_256_8'), (mixer, 'mixer_s16')):
+        with torch.device('meta'):
+            assert isinstance(module.create(name, num_classes=0).head, torch.nn.Identity), name
+            with pytest.raises(ValueError, match=r'num_classes must be an integer >= 0 .*got -5'):
+                module.create(name, num_classes=-5)
+
+
+def test_convmixer_input_smaller_than_a_patch_is_a_clear_error():
+    """The README's promise: a ValueError that says why, not the conv's 'kernel size can't be greater'."""
+    model = convmixer.create('convmixer_256_8', depth=1).eval()
+    with pytest.raises(ValueError, match=r'input of 1x1 px is smaller than one 2 px patch'):
+        model(torch.randn(1, 3, 1, 1))
+    with pytest.raises(ValueError, match=r'input of 2x1 px is smaller than one 2 px patch'):
+        model(torch.randn(1, 3, 2, 1))
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 2, 2)).shape == (1, 10)  # one whole patch is enough
+
+
+def test_resample_pos_embed_refuses_an_empty_grid():
+    pos = torch.randn(1, 1 + 16, 8)
+    for grid in ((0, 0), (4, -1), (4,)):
+        with pytest.raises(ValueError, match=r'new_grid must be \(rows, cols\) of positive integers'):
+            vit.resample_pos_embed(pos, grid, 1)
+    assert vit.resample_pos_embed(pos, (2, 3), 1).shape == (1, 1 + 6, 8)
+
+
+@pytest.mark.parametrize('module,key', [(vit, 'embedding/kernel'), (mixer, 'stem/kernel')])
+def test_load_npz_of_a_file_that_is_no_npz_names_what_is_missing(module, key, tmp_path):
+    """Random bytes: numpy would try them as a pickle and suggest allow_pickle=True; the message says instead
+    that the file is no .npz and so lacks the official arrays, and never mentions pickles."""
+    import numpy as np
+    path = tmp_path / 'random.npz'
+    path.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ValueError, match=rf"is not an \.npz \(a zip archive of \.npy arrays\), so it has no array "
+                                         rf"'{key}'") as e:
+        module.load_npz(str(path))
+    assert 'pickle' not in str(e.value)
+    np.savez(tmp_path / 'other.npz', a=np.zeros(3))  # a real .npz of other arrays: named as before
+    with pytest.raises(ValueError, match=rf"no array '{key}'"):
+        module.load_npz(str(tmp_path / 'other.npz'))

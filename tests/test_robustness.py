@@ -361,3 +361,201 @@ def test_missing_optional_dependency(trained, tmp_path, monkeypatch):
         rb.main(args)
     with pytest.raises(rb.UserError, match='from the timm package: pip install timm'):
         rb.imagenet_r_mask(WNIDS)
+
+
+# -----------------------------------------------------------------------------
+# Bad input: one line, exit status 1 (130 for Ctrl-C), nothing written into --out or the data folder.
+def cli(argv):
+    """robustness.py run as `python robustness.py ARGV` (its __main__ block, in this process): the SystemExit's
+    code, which Python prints as the one line on stderr (status 1) when it is a string."""
+    import runpy
+    old = sys.argv
+    sys.argv = ['robustness.py', *map(str, argv)]
+    try:
+        runpy.run_path(str(REPO / 'robustness.py'), run_name='__main__')
+    except SystemExit as e:
+        return e.code
+    finally:
+        sys.argv = old
+    pytest.fail('no error')
+
+
+def snapshot(folder):  # every file's bytes and mtime under folder
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob('*')) if p.is_file()}
+
+
+def refused(argv, line, out, *folders):
+    """argv is refused with `line` (a prefix of the one line), --out stays absent, folders stay as they were."""
+    before = [snapshot(f) for f in folders]
+    code = cli([*argv, '--out', out])
+    assert isinstance(code, str) and code.startswith(f'robustness.py: error: {line}') and '\n' not in code, code
+    assert not os.path.exists(out) and [snapshot(f) for f in folders] == before
+
+
+def published_c10c(root, n=200):  # a CIFAR-10-C folder as published: 5 x n rows per corruption, 5 x n labels
+    root.mkdir()
+    np.save(root / 'gaussian_noise.npy', np.random.default_rng(0).integers(0, 256, (5 * n, 32, 32, 3), dtype=np.uint8))
+    np.save(root / 'labels.npy', np.tile(np.arange(n) % 10, 5))
+    return root
+
+
+def test_cache_never_writes_into_or_reads_a_folder_it_did_not_make(trained, cifar10_dir, tmp_path):
+    """--cache at a published CIFAR-10-C folder used to overwrite its labels.npy (1,000 -> 100 labels), add a
+    meta.json and score its rows as corruptions made here. A folder with files but no meta.json of ours, or with
+    another meta.json, is refused; a new or empty folder is made a cache, meta.json first."""
+    model, xt, yt, ckpt = trained
+    root = published_c10c(tmp_path / 'CIFAR-10-C')
+    common = ['--benchmark', 'corrupt', '--data', cifar10_dir, '--subset', 20, '--checkpoint', ckpt, '--workers', 0,
+              '--corruptions', 'gaussian_noise', '--no-plot']
+    refused(common + ['--cache', root], f'--cache {root} is not a cache of robustness.py (no meta.json', tmp_path / 'o',
+            root)
+    with pytest.raises(rb.UserError, match='is not a cache of robustness.py'):  # the library function alike
+        rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(root))
+    assert len(np.load(root / 'labels.npy')) == 1000 and sorted(os.listdir(root)) == ['gaussian_noise.npy',
+                                                                                     'labels.npy']
+    (root / 'meta.json').write_text('{"seed": 0}')  # someone else's meta.json
+    refused(common + ['--cache', root], f"--cache {root}: its meta.json is not robustness.py's", tmp_path / 'o', root)
+    (tmp_path / 'empty').mkdir()  # an empty folder becomes a cache, marked first
+    rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(tmp_path / 'empty'))
+    meta = json.loads((tmp_path / 'empty' / 'meta.json').read_text())
+    assert meta['made_by'] == rb.CACHE_MARK and sorted(os.listdir(tmp_path / 'empty')) == [
+        'contrast.npy', 'labels.npy', 'meta.json']
+
+
+def test_cache_of_another_imagecorruptions_version_or_shape_is_refused(trained, tmp_path):
+    """meta.json stores the package version; a cache made by another one was reused without a word. Refused,
+    saying so (its images could differ); and an array of another shape than meta.json's is never read."""
+    model, xt, yt, _ = trained
+    cache = tmp_path / 'cache'
+    rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(cache))
+    meta = json.loads((cache / 'meta.json').read_text())
+    (cache / 'meta.json').write_text(json.dumps({**meta, 'package': '0.0.1'}))
+    before = snapshot(cache)
+    with pytest.raises(rb.UserError, match=rf'made by imagecorruptions-imaug 0.0.1, this is {meta["package"]}: '
+                                           'refused, its images could differ'):
+        rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(cache))
+    assert snapshot(cache) == before
+    (cache / 'meta.json').write_text(json.dumps(meta))
+    np.save(cache / 'contrast.npy', np.zeros((5 * 4, 16, 16, 3), np.uint8))
+    with pytest.raises(rb.UserError, match=r'contrast.npy is uint8 \(20, 16, 16, 3\), not the uint8 \(20, 32, 32, 3\)'):
+        rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(cache))
+
+
+def test_flags_the_run_cannot_honour_are_one_line(trained, cifar10_dir, tmp_path):
+    """--eps inf printed a robust accuracy above the clean one, then a traceback (and a results.json.tmp);
+    --img-size with a CIFAR checkpoint did nothing; a zero head (a train_contrastive.py backbone) scored chance
+    as the model's accuracy. Each: one line, status 1, no --out."""
+    model, _, _, ckpt = trained
+    attack = ['--attack', 'pgd', '--data', cifar10_dir, '--subset', 10, '--checkpoint', ckpt]
+    refused(attack + ['--eps', 'inf'], 'need finite --eps >= 0 and --alpha > 0', tmp_path / 'o', cifar10_dir)
+    refused(attack + ['--alpha', 'nan'], 'need finite --eps >= 0 and --alpha > 0', tmp_path / 'o')
+    refused(attack + ['--img-size', 64], f'--img-size only applies to ImageNet models; {ckpt} is a cifar10 model',
+            tmp_path / 'o')
+    refused(attack + ['--crop-pct', 0.9], '--crop-pct only applies to ImageNet models', tmp_path / 'o')
+    backbone = torch.load(ckpt, weights_only=False)
+    backbone['model'] = {k: torch.zeros_like(v) if k.startswith('head.') else v for k, v in backbone['model'].items()}
+    torch.save(backbone, tmp_path / 'moco.pt')
+    refused([*attack[:-1], tmp_path / 'moco.pt'], f'{tmp_path / "moco.pt"}: its classifier head is all zeros '
+            f'(a train_contrastive.py backbone?); fine-tune it first: train_cifar.py --pretrained', tmp_path / 'o')
+    assert models.zero_head(models.build_model('vit_ti16', 10, 32, cifar=True)) and not models.zero_head(model)
+
+
+def test_compare_refuses_runs_of_other_benchmarks_or_severities(tmp_path):
+    """A 1-severity on-the-fly run and a 5-severity CIFAR-10-C run were drawn under one title with one legend
+    style: refused, naming both; runs of one benchmark and severity set still draw."""
+    def run(name, benchmark, sev):
+        r = {'benchmark': benchmark, 'model': 'm', 'checkpoint': name, 'acc': {'fog': {str(s): 50.0 for s in sev}},
+             'corruption_mean': {'fog': 50.0}, 'mean_acc': 50.0, 'clean': {'acc': 60.0}}
+        (tmp_path / name).write_text(json.dumps(r))
+        return tmp_path / name
+    a, b, c = run('a.json', 'corrupt', [1]), run('b.json', 'cifar10-c', range(1, 6)), run('c.json', 'corrupt', [1, 5])
+    for other, kind in ((b, 'cifar10-c run at severities 1,2,3,4,5'), (c, 'corrupt run at severities 1,5')):
+        code = cli(['compare', a, other, '--out', tmp_path / 'x.png'])
+        assert code == (f'robustness.py: error: {other} is a {kind}, {a} a corrupt run at severities 1: compare runs '
+                        'of one benchmark and severity set')
+    assert not (tmp_path / 'x.png').exists()
+
+
+def test_ctrl_c_while_corrupting_is_one_line_and_leaves_no_tmp(trained, cifar10_dir, tmp_path):
+    """SIGINT to the process group (as a terminal sends it) while a worker corrupts: 'interrupted', status 130,
+    no traceback from this process or its workers, no .tmp; the cache keeps the corruption it finished."""
+    import signal
+    _, _, _, ckpt = trained
+    argv = ['--benchmark', 'corrupt', '--data', cifar10_dir, '--subset', 40, '--checkpoint', ckpt, '--workers', 1,
+            '--corruptions', 'contrast', 'glass_blur', '--no-plot', '--out', tmp_path / 'out']
+    proc = subprocess.Popen([sys.executable, str(REPO / 'robustness.py'), *map(str, argv)], cwd=REPO,
+                            env={**os.environ, 'OMP_NUM_THREADS': '1'}, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines = [proc.stderr.readline()]
+    while lines[-1] and not lines[-1].startswith('corrupted contrast'):
+        lines.append(proc.stderr.readline())
+    os.killpg(proc.pid, signal.SIGINT)  # now corrupting glass_blur
+    lines += proc.stderr.read().splitlines()
+    assert proc.wait(timeout=120) == 130, lines
+    assert lines[-1] == 'robustness.py: interrupted' and not any('Traceback' in line for line in lines), lines
+    files = sorted(p.name for p in (tmp_path / 'out').rglob('*'))
+    assert not [f for f in files if f.endswith('.tmp')] and 'contrast.npy' in files and 'glass_blur.npy' not in files
+
+
+# -----------------------------------------------------------------------------
+# No host syncs in the counting loops; PGD starts drawn in one op, per image independent of the batch.
+def lowbias32(x):  # Chris Wellons' hash in plain Python ints (the oracle for the tensor version)
+    x ^= x >> 16
+    x = (x * 0x7feb352d) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846ca68b) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_pgd_starts_are_per_image_whatever_the_batch():
+    idx = torch.arange(50)
+    u = rb.uniform_start(7, idx, (3, 8, 8))
+    key = [lowbias32(i ^ int(np.random.SeedSequence([7]).generate_state(1)[0])) for i in (0, 13, 49)]
+    for i, k in zip((0, 13, 49), key):  # written out in Python ints, for a few elements
+        for j in (0, 5, 191):
+            assert u[i].flatten()[j].item() == (lowbias32(lowbias32(j) ^ k) >> 8) * 2.0 ** -24
+    assert torch.equal(rb.uniform_start(7, idx[[13, 2, 40]], (3, 8, 8)), u[[13, 2, 40]])  # any batch, any order
+    assert not torch.equal(rb.uniform_start(8, idx, (3, 8, 8)), u)  # the seed matters
+    big = rb.uniform_start(0, torch.arange(400), (3, 16, 16)).flatten(1)
+    assert 0 <= big.min() and big.max() < 1 and abs(big.mean() - 0.5) < 2e-3 and abs(big.var() - 1 / 12) < 1e-3
+    hist = torch.histc(big, 10, 0, 1)
+    assert ((hist - big.numel() / 10) ** 2 / (big.numel() / 10)).sum() < 30  # chi^2, 9 dof: 27.9 at p = 0.001
+    assert torch.corrcoef(big[:50]).fill_diagonal_(0).abs().max() < 0.2  # not copies (chance: sd 0.036, max ~0.14)
+
+
+def test_counting_and_attack_loops_make_no_host_sync_and_gather_only_to_rank_0(monkeypatch):
+    """What the loops would sync on: .item() / .tolist() (aten._local_scalar_dense), a tensor from Python data (the
+    host-to-device copy of y.new_tensor(len(y)): aten.lift_fresh), a draw from a CPU generator per image. None
+    occurs (observable on CPU through a dispatch mode). Rank 1 sends its own corrupted rows to rank 0 alone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))
+    images = np.random.default_rng(0).integers(0, 256, (10, 32, 32, 3), dtype=np.uint8)
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+    counts = {}
+    for b in (3, 10):
+        batches = list(rb.array_batches(images, np.arange(10) % 10, 0, 10, b))  # (the loader's work, on the host)
+        with Ops():
+            counts[b] = (rb.count(model, batches, mean, std),
+                         rb.attack_counts(model, batches, mean, std, 'pgd', 8 / 255, 2 / 255, 2, 0))
+        bad = {op for op in Ops.seen if 'local_scalar_dense' in op or 'lift_fresh' in op or 'rand' in op}
+        assert not bad, bad
+    assert [t.tolist() for t in counts[3]] == [t.tolist() for t in counts[10]]  # the batch changes nothing
+    assert counts[3][0][1] == 10 and counts[3][1][2] == 10
+    sent = []  # rank 1 of 2, with rank 0's verdict on the cache broadcast to it
+    monkeypatch.setattr(rb.dist, 'broadcast_object_list', lambda box: box.__setitem__(slice(None), [None, set()]))
+    monkeypatch.setattr(rb.dist, 'gather_object', lambda obj, dst_list=None, dst=0: sent.append((obj, dst_list, dst)))
+    monkeypatch.setattr(rb.dist, 'all_gather_object', lambda *a: pytest.fail('every rank gets every array'))
+    monkeypatch.setattr(rb.dist, 'all_reduce', lambda t: None)
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
+    rb.corruption_accuracy(model, x, torch.arange(10), MEAN, STD, ['contrast'], cache_dir='/nonexistent/never-made',
+                           rank=1, world=2)
+    (rows, dst_list, dst), = sent
+    assert dst_list is None and dst == 0 and set(rows) == {1, 2, 3, 4, 5}
+    assert all(r.dtype == np.uint8 and r.shape == (5, 32, 32, 3) for r in rows.values())  # its own half only

@@ -910,3 +910,23 @@ def test_no_host_sync_in_the_sam_step(adaptive, scaler, k):
             gs.step(opt)
     assert calls == (['item'] if scaler == 'enabled' else [])
     assert not all(torch.equal(p, q) for p, q in zip(m.parameters(), w0))  # it did step
+
+
+@pytest.mark.parametrize('kw,error,message', [
+    (dict(rho='0.05'), TypeError, "rho must be a real number, got str '0.05'"),
+    (dict(rho=math.inf), ValueError, 'rho must be a finite number >= 0, got inf'),
+    (dict(rho=math.nan), ValueError, 'rho must be a finite number >= 0, got nan'),
+    (dict(eta='0.01', adaptive=True), TypeError, "eta must be a real number, got str '0.01'"),
+    (dict(eta=math.inf, adaptive=True), ValueError, 'eta must be a finite number >= 0, got inf'),
+])
+def test_bad_rho_or_eta_is_refused_at_construction(kw, error, message):
+    """A string used to fail deep in first_step; rho = inf was accepted and made every weight NaN after one
+    step (inf / ||g||): refused with the reason, in the constructor and in a per-group setting alike."""
+    m = _mlp(0)
+    with pytest.raises(error, match=message):
+        SAM(m.parameters(), torch.optim.SGD, lr=0.1, **kw)
+    with pytest.raises(error, match=message):
+        SAM([{'params': list(m.parameters()), **kw}], torch.optim.SGD, lr=0.1)
+    opt = SAM(list(m.parameters())[:1], torch.optim.SGD, lr=0.1)
+    with pytest.raises(error, match=message):
+        opt.add_param_group({'params': list(m.parameters())[1:], **kw})
