@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torchvision
 import torch.nn.functional as F
@@ -39,31 +40,41 @@ import figures
 from augment import normalize
 from data import LAYOUT, MEAN, STD, balanced_subset, eval_transform, evaluate, load_cifar, resize
 from models import build_model, load_model, load_weights, parse_model_kw
-from utils import UserError, fmt_time, progress_printer, save_atomic
+from utils import UserError, fmt_time, init_group, leave, progress_printer, save_atomic, setup
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 
 
 @contextlib.contextmanager
 def evaluating(model):
-    """model.eval() and the math attention kernel (double backward, vmap) for the duration; then the old mode."""
+    """model.eval() for the duration; then the old mode. (The double backward of the HVP and the NTK's vmap pick
+    the math attention kernel themselves: the fused ones have neither; the forwards keep the fast ones.)"""
     was_training = model.training
     model.eval()
     try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield model
+        yield model
     finally:
         model.train(was_training)
 
 
+def all_sum(t):
+    """t summed over torchrun's processes, in place (each holds a slice of the images), else t as it is."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
 @torch.no_grad()
 def mean_loss(model, loss_fn, batches, weights=None):
-    """The mean of loss_fn over every image (each batch's mean weighted by its size), at `weights`
-    ({name: tensor}, through torch.func.functional_call) or at the model's own weights."""
-    total, n = 0.0, 0
+    """The mean of loss_fn over every image (each batch's mean weighted by its size; under torchrun over every
+    process's images), at `weights` ({name: tensor}, through torch.func.functional_call) or at the model's own
+    weights. Summed on the device in float64, read once."""
+    sums = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
     for x, y in batches:
         out = functional_call(model, weights, (x,)) if weights else model(x)
-        total, n = total + loss_fn(out, y).item() * len(x), n + len(x)
+        sums[0] += loss_fn(out, y).double() * len(x)
+        sums[1] += len(x)
+    total, n = all_sum(sums).tolist()
     return total / n
 
 
@@ -99,22 +110,26 @@ def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4
     double backward, the Rayleigh quotient v^T H v as the estimate, stop at a relative change < tol
     (PyHessian: 1e-3). It finds the eigenvalue of largest magnitude and keeps its sign. Eval mode.
     (Not finite differences of gradients: across ReLU kinks they measure another quantity; on resnet20 at init
-    v^T H v was 0.015 by double backward, -0.146 by differences of the loss at h = 1e-4, float64.)"""
+    v^T H v was 0.015 by double backward, -0.146 by differences of the loss at h = 1e-4, float64.)
+    Under torchrun each process holds its slice of the images: H v is summed over all of them, every process
+    starts from the same v (a seeded CPU generator) and so iterates in step."""
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
-    batches = list(batches)
-    n = sum(len(x) for x, _ in batches)
+    batches, dev = list(batches), params[0].device
+    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64, device=dev)).item()
 
-    def hvp(v):  # H v = d/dw <grad L(w), v>, summed over batches weighted by size
-        out = [torch.zeros_like(p) for p in params]
+    def hvp(v):  # H v = d/dw <grad L(w), v>, summed over batches (and processes) weighted by size, in float64
+        out = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64, device=dev)
         for x, y in batches:
-            grads = torch.autograd.grad(loss_fn(model(x), y), params, create_graph=True, allow_unused=True)
-            dot = sum((g * u).sum() for g, u in zip(grads, v) if g is not None and g.requires_grad)
-            # not a tensor: the gradient does not depend on these weights, H v = 0
-            hv = torch.autograd.grad(dot, params, allow_unused=True) if torch.is_tensor(dot) else []
-            for o, h in zip(out, hv):
+            with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels (CUDA) have no double backward
+                grads = torch.autograd.grad(loss_fn(model(x), y), params, create_graph=True, allow_unused=True)
+                dot = sum((g * u).sum() for g, u in zip(grads, v) if g is not None and g.requires_grad)
+                # not a tensor: the gradient does not depend on these weights, H v = 0
+                hv = torch.autograd.grad(dot, params, allow_unused=True) if torch.is_tensor(dot) else []
+            for o, h in zip(out.split([p.numel() for p in params]), hv):
                 if h is not None:
-                    o.add_(h, alpha=len(x) / n)
-        return out
+                    o.add_(h.flatten(), alpha=len(x) / n)
+        all_sum(out)  # one flat tensor per iteration
+        return [o.view_as(p).to(p.dtype) for o, p in zip(out.split([p.numel() for p in params]), params)]
 
     gen = torch.Generator().manual_seed(seed)
     v = [torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) for p in params]
@@ -123,10 +138,10 @@ def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4
     with evaluating(model):
         for i in range(iters):
             hv = hvp(v)
-            norm = parameters_to_vector(hv).norm()
+            norm, new = torch.stack([parameters_to_vector(hv).norm(),  # one read per iteration
+                                     sum((h * u).sum() for h, u in zip(hv, v))]).tolist()  # Rayleigh, ||v|| = 1
             if norm == 0:  # H v = 0 for a random v: this block of the Hessian is 0 (e.g. behind a zero head)
                 return 0.0
-            new = sum((h * u).sum() for h, u in zip(hv, v)).item()  # Rayleigh quotient, ||v|| = 1
             change = abs(new - eig) / (abs(eig) + 1e-6) if eig is not None else float('inf')
             eig, v = new, [h / norm for h in hv]
             if progress:
@@ -157,7 +172,8 @@ def empirical_ntk(model, x, reduce='trace', chunk=None, *, progress=None):
         return out.sum() if reduce == 'sum' else out
 
     def jac(xs):  # (m, C, P) ('sum': (m, 1, P)), float64: kappa reaches 1e6 and more
-        j = vmap(jacrev(f), in_dims=(None, 0))(params, xs)
+        with sdpa_kernel(SDPBackend.MATH):  # vmap of the fused attention kernels' backward is not implemented
+            j = vmap(jacrev(f), in_dims=(None, 0))(params, xs)
         return torch.cat([t.reshape(len(xs), 1, -1) if reduce == 'sum' else t.flatten(2) for t in j.values()],
                          dim=2).double()
 
@@ -168,7 +184,7 @@ def empirical_ntk(model, x, reduce='trace', chunk=None, *, progress=None):
             ja = jac(xa)
             if a == 0:
                 c = ja.shape[1] if reduce == 'full' else 1
-                theta = torch.empty(len(x) * c, len(x) * c, dtype=torch.float64)
+                theta = torch.empty(len(x) * c, len(x) * c, dtype=torch.float64, device=ja.device)
             for b in range(a, len(chunks)):
                 jb = ja if b == a else jac(chunks[b])
                 block = (torch.einsum('icp,jcp->ij', ja, jb) if reduce != 'full'
@@ -248,12 +264,16 @@ def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, 
         raise ValueError(f'dims must be 1 or 2, got {dims}')
     gen = torch.Generator().manual_seed(seed)
     dirs = [filter_normalized_directions(model, gen) for _ in range(dims)]
-    coords, names = torch.linspace(-span, span, steps), [k for k, _ in model.named_parameters()]
+    # span * (2i - (steps - 1)) / (steps - 1) in float64: the middle point is exactly 0 (float32 linspace gave
+    # -1.5e-8 there), and the grid is symmetric
+    coords = torch.arange(steps, dtype=torch.float64).mul(2).sub(steps - 1).div(max(steps - 1, 1)).mul(span)
+    names = [k for k, _ in model.named_parameters()]
     w0 = [p.detach() for p in model.parameters()]
     losses, start = torch.empty((steps,) * dims), time.time()
     with evaluating(model):
         for k, idx in enumerate(itertools.product(range(steps), repeat=dims)):
-            w = {n: w + sum(coords[i] * d[j] for i, d in zip(idx, dirs)) for j, (n, w) in enumerate(zip(names, w0))}
+            w = {n: w + sum(float(coords[i]) * d[j] for i, d in zip(idx, dirs))
+                 for j, (n, w) in enumerate(zip(names, w0))}
             losses[idx] = mean_loss(model, loss_fn, batches, w)
             if progress and (k + 1) % steps == 0:
                 progress(f'landscape {k + 1}/{steps ** dims} points | {time.time() - start:.0f} s')
@@ -299,17 +319,19 @@ def activation_sites(model):
 def active_neurons(model, batches):
     """{layer: fraction of hidden units > 0} over every unit, token and image in `batches`, eval mode. Layers:
     ViT each block's MLP; Mixer each block's token and channel MLP; ResNet each stage; ConvMixer each block's
-    depthwise and pointwise activation (paper Sec. 4.3: SAM leaves fewer active neurons in the first layers)."""
-    counts = {}
+    depthwise and pointwise activation (paper Sec. 4.3: SAM leaves fewer active neurons in the first layers).
+    Exact integer counts on the device, summed over torchrun's processes, read once."""
+    sites = activation_sites(model)
+    counts = torch.zeros(len(sites), 2, dtype=torch.int64, device=next(model.parameters()).device)  # (> 0, all)
 
-    def hook(name, where):
+    def hook(i, where):
         def count(module, inputs, output):
             z = inputs[0] if where == 'input' else output
-            pos, tot = counts.get(name, (0, 0))
-            counts[name] = (pos + (z > 0).sum().item(), tot + z.numel())
+            counts[i, 0] += (z > 0).sum()
+            counts[i, 1] += z.numel()
         return count
 
-    handles = [m.register_forward_hook(hook(name, where)) for name, (m, where) in activation_sites(model).items()]
+    handles = [m.register_forward_hook(hook(i, where)) for i, (m, where) in enumerate(sites.values())]
     try:
         with evaluating(model), torch.no_grad():
             for x, _ in batches:
@@ -317,7 +339,7 @@ def active_neurons(model, batches):
     finally:
         for h in handles:
             h.remove()
-    return {name: pos / tot for name, (pos, tot) in counts.items()}
+    return {name: pos / tot for name, (pos, tot) in zip(sites, all_sum(counts).tolist())}
 
 
 # ----------------------------------------------------------------------------- 6. Attention (ViT)
@@ -358,7 +380,7 @@ def attention_distance(model, x):
     a = a / a.sum(dim=-1, keepdim=True)
     rows, cols = torch.meshgrid(torch.arange(x.shape[-2] // p), torch.arange(x.shape[-1] // p), indexing='ij')
     centres = torch.stack([rows.flatten(), cols.flatten()], dim=1).double() * p + p / 2  # (N, 2) pixels
-    return (a * torch.cdist(centres, centres).to(a.dtype)).sum(-1).mean(dim=(1, 3))  # keys; images, queries
+    return (a * torch.cdist(centres, centres).to(a)).sum(-1).mean(dim=(1, 3))  # keys; images, queries
 
 
 # ============================================================================= The script
@@ -390,7 +412,8 @@ def get_args(argv=None):
                        help='default: what our checkpoint stored, else cifar10')
         s.add_argument('--img-size', type=int, default=224, help='ImageNet input size, px (CIFAR: 32)')
         s.add_argument('--split', default='train', choices=['train', 'test'], help='which images (ImageNet: val)')
-        s.add_argument('--n', type=int, default=N_DEFAULT[name], help='images (class-balanced on CIFAR)')
+        s.add_argument('--images', type=int, default=N_DEFAULT[name], help='images (class-balanced on CIFAR); '
+                       'under torchrun split over the processes')
         s.add_argument('--batch-size', type=int, default=250, help='images per forward (memory only)')
         s.add_argument('--seed', type=int, default=0, help='the initialisation without --checkpoint, every draw')
         s.add_argument('--out', required=True, metavar='DIR', help=f'receives {name}.json and the figures')
@@ -409,27 +432,29 @@ def get_args(argv=None):
     subs['landscape'].add_argument('--span', type=float, default=1.0, help='coordinates in [-span, span]')
     subs['flatness'].add_argument('--sigma', type=float, nargs='+', default=[0.01, 0.02, 0.05], help='noise std')
     subs['flatness'].add_argument('--samples', type=int, default=20, help='Monte-Carlo draws per sigma')
-    subs['attention'].add_argument('--images', type=int, default=8, help='images drawn with their maps')
+    subs['attention'].add_argument('--maps', type=int, default=8, help='images drawn with their maps')
     t = sub.add_parser('table1', formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="the paper's Table 1 in miniature: train 6 small models on CIFAR-10, measure them")
     t.add_argument('--data', required=True, metavar='DIR', help='the CIFAR-10 copy (train_cifar.py --data)')
     t.add_argument('--out', required=True, metavar='DIR', help='runs/<run>/, table1.md, table1.json, the figures')
-    t.add_argument('--train-subset', type=int, default=10_000, help='class-balanced training images')
+    t.add_argument('--preset', default='cpu', choices=sorted(PRESETS), help='cpu: the miniature (README); gpu: all '
+                   '50,000 images, larger models, schedules to a low training error, ~5 min on one H200 (estimated)')
+    t.add_argument('--train-subset', type=int, default=0, help='class-balanced training images; 0 = the preset\'s')
+    t.add_argument('--epochs-scale', type=float, default=1.0, help="every run's epochs times this (at least 1)")
     t.add_argument('--hessian-n', type=int, default=2000, help='training images for lambda_max (and active neurons)')
     t.add_argument('--ntk-n', type=int, default=50, help='training images for kappa')
     t.add_argument('--corruption-n', type=int, default=500, help='test images for robustness.py --benchmark corrupt '
                    '(19 corruptions x 5 severities); 0 = leave the column out')
     t.add_argument('--jobs', type=int, default=2, help='training runs at a time, one thread each')
     args = p.parse_args(argv)
-    for k in ('n', 'batch_size', 'iters', 'steps', 'samples', 'images', 'jobs', 'train_subset', 'hessian_n', 'ntk_n'):
+    for k in ('images', 'batch_size', 'iters', 'steps', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n'):
         if getattr(args, k, 1) < 1:
             raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
-    if getattr(args, 'chunk', 0) < 0 or getattr(args, 'span', 1) <= 0 or min(getattr(args, 'sigma', [0])) < 0:
-        raise UserError('--chunk must be >= 0, --span > 0, --sigma >= 0')
+    if min(getattr(args, 'chunk', 0), getattr(args, 'train_subset', 0), *getattr(args, 'sigma', [0])) < 0 or \
+            min(getattr(args, 'span', 1), getattr(args, 'epochs_scale', 1)) <= 0:
+        raise UserError('--chunk, --train-subset and --sigma must be >= 0, --span and --epochs-scale > 0')
     if os.path.isfile(args.out):
         raise UserError(f'--out {args.out} is a file; pass a folder')
-    if args.command == 'table1' and max(args.hessian_n, args.ntk_n) > args.train_subset:
-        raise UserError('--hessian-n and --ntk-n are images of the --train-subset: pick them <= it')
     if args.command == 'table1' and not 0 <= args.corruption_n <= 10_000:
         raise UserError(f'--corruption-n must be 0..10000 (test images), got {args.corruption_n}')
     return args
@@ -457,87 +482,116 @@ def get_model(args):
                        params=sum(p.numel() for p in model.parameters()))
 
 
-def load_images(args):
-    """(images for the figures, float in [0, 1], (n, 3, H, W); the normalised batches [(x, y), ...])."""
+def load_images(args, rank=0, world=1, device='cpu'):
+    """(images for the figures, float in [0, 1]; the normalised batches [(x, y), ...] on `device`; the image count
+    of all processes). Under torchrun process r reads only the images [n r / W, n (r + 1) / W), as data.evaluate."""
     if args.dataset == 'imagenet':  # evenly over the sorted classes
         folder = os.path.join(args.data, 'train' if args.split == 'train' else 'val')
         if not os.path.isdir(folder):
             raise UserError(f'{folder} is not a folder; {LAYOUT}')
         ds = torchvision.datasets.ImageFolder(folder, eval_transform(args.size, norm=args.norm))
-        x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1]))
-                                      for i in torch.linspace(0, len(ds) - 1, min(args.n, len(ds))).long()]))
+        pick = torch.linspace(0, len(ds) - 1, min(args.images, len(ds))).long()
+        n, pick = len(pick), pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]
+        x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1])) for i in pick]))
         shown = (x - x.min()) / (x.max() - x.min())  # the network's input, for the figures
     else:  # as train_cifar.py feeds them: its classes, normalised, upsampled to the run's --img-size
-        u8, y = load_cifar(args.data, args.dataset, args.split == 'train', args.n, args.classes)
+        u8, y = load_cifar(args.data, args.dataset, args.split == 'train', args.images, args.classes)
+        n, part = len(y), slice(len(y) * rank // world, len(y) * (rank + 1) // world)
         stats = [torch.tensor(v[args.dataset]).view(1, 3, 1, 1) for v in (MEAN, STD)]
-        x, shown = resize(normalize(u8, *stats), args.size), u8.float() / 255
-    return shown, list(zip(x.split(args.batch_size), y.split(args.batch_size)))
+        x, y, shown = resize(normalize(u8[part], *stats), args.size), y[part], u8[part].float() / 255
+    return shown, [(xb.to(device), yb.to(device)) for xb, yb in zip(x.split(args.batch_size), y.split(args.batch_size))], n
+
+
+SHARDED = ('hessian', 'landscape', 'flatness', 'neurons')  # split the images over torchrun's processes
+PRECISION = 'fp32, TF32 off'
 
 
 def main(argv=None):
     args = get_args(argv)
+    proc = setup('off')  # the training scripts' device: cuda:LOCAL_RANK where there is CUDA; never autocast
+    # setup() turns TF32 on for training; these are measurements (kappa reaches 1e6): full fp32 matmuls and convs
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    if proc.ddp and args.command not in SHARDED:
+        raise UserError(f'{args.command} runs in one process (python geometry.py {args.command} ...); under '
+                        f'torchrun only {", ".join(SHARDED)} split their images')
     if args.command == 'table1':
-        return table1(args)
+        return table1(args, proc)
+    if proc.world > args.images:
+        raise UserError(f'--images {args.images} < {proc.world} processes: give each process an image at least')
     path = os.path.join(args.out, f'{args.command}.json')
     if os.path.exists(path) and not args.overwrite:
         raise UserError(f'--out {args.out} already holds {args.command}.json; pick another --out or pass --overwrite')
     model, info = get_model(args)
     if args.command == 'attention' and not isinstance(model, vit.VisionTransformer):
         raise UserError(f'attention needs a ViT; {args.model} is a {type(model).__name__}')
-    shown, batches = load_images(args)
-    x = torch.cat([xb for xb, _ in batches])
-    info.update(split=args.split, n=len(x))
-    os.makedirs(args.out, exist_ok=True)
-    print(f"geometry.py {args.command} | {args.model} ({args.checkpoint or f'init, seed {args.seed}'}) | "
-          f'{len(x):,} {args.split} images | {EVAL_NOTE}', flush=True)
-    start, log = time.time(), progress_printer(args.command)
+    # the official zero head is drawn on the CPU, before the move: the same draw on every device
+    drawn = args.command == 'ntk' and not (args.checkpoint or args.keep_zero_head) and draw_zero_head_(model, args.seed)
+    init_group(proc)
+    try:
+        measure(args, proc, model.to(proc.device), info, path, drawn)
+    finally:
+        leave(proc.ddp)
+
+
+def measure(args, proc, model, info, path, drawn):
+    """One sub-command on this process's device and images; rank 0 prints and writes."""
+    say = proc.log
+    shown, batches, n = load_images(args, proc.rank, proc.world, proc.device)
+    x = torch.cat([xb for xb, _ in batches]) if args.command in ('ntk', 'attention') else None
+    info.update(split=args.split, n=n, device=str(proc.device), processes=proc.world, precision=PRECISION)
+    if proc.master:
+        os.makedirs(args.out, exist_ok=True)
+    say(f"geometry.py {args.command} | {args.model} ({args.checkpoint or f'init, seed {args.seed}'}) | {n:,} "
+        f'{args.split} images | {proc.device} x {proc.world} | {PRECISION} | {EVAL_NOTE}')
+    start, log = time.time(), progress_printer(args.command) if proc.master else None
     if args.command == 'hessian':
         info['lambda_max'] = hessian_eigenvalue(model, F.cross_entropy, batches, None, args.iters, args.tol,
                                                 args.seed, progress=log)
-        print(f"  lambda_max {info['lambda_max']:.6g}", flush=True)
+        say(f"  lambda_max {info['lambda_max']:.6g}")
         info['blocks'] = {}
         for name, params in (param_blocks(model).items() if args.blocks else []):
             info['blocks'][name] = hessian_eigenvalue(model, F.cross_entropy, batches, params, args.iters, args.tol,
                                                       args.seed, progress=log)
-            print(f"  lambda_max {name:24s} {info['blocks'][name]:.6g}", flush=True)
+            say(f"  lambda_max {name:24s} {info['blocks'][name]:.6g}")
         info.update(iters=args.iters, tol=args.tol, note='largest-|lambda| eigenvalue (sign kept) of the Hessian '
                     'of the mean cross-entropy; blocks: the diagonal block of those parameters')
     elif args.command == 'ntk':
-        drawn = not (args.checkpoint or args.keep_zero_head) and draw_zero_head_(model, args.seed)
         calibrated = not args.checkpoint and calibrate_batchnorm_(model, [(x,)])
         kappa, eig = ntk_condition_number(model, x, args.reduce, args.chunk or None, progress=log)
         info.update(kappa=kappa, reduce=args.reduce, head_drawn=drawn, bn_calibrated=calibrated,
                     eigenvalues=eig.tolist(), note='all trainable parameters, eval mode' +
                     ('; BatchNorm statistics set to those of these images' if calibrated else '') +
                     ("; the official init's zero head drawn like the other dense layers" if drawn else ''))
-        print(f'  NTK kappa ({args.reduce}) {kappa:.6g} = {eig[-1]:.4g} / {eig[0]:.4g} | {info["note"]}')
+        say(f'  NTK kappa ({args.reduce}) {kappa:.6g} = {eig[-1]:.4g} / {eig[0]:.4g} | {info["note"]}')
     elif args.command == 'landscape':
         coords, losses = loss_landscape(model, F.cross_entropy, batches, args.dims, args.steps, args.span, args.seed,
                                         progress=log)
         info.update(dims=args.dims, coords=coords.tolist(), loss=losses.tolist(), note='filter-normalised Gaussian '
                     "directions (Li et al. 2018), 1-D parameters not moved (ignore='biasbn')")
-        print(f'  loss at the origin {losses[(args.steps // 2,) * args.dims]:.4f}, largest {losses.max():.4f}')
-        figures.landscape(args.model, coords, losses, args.out)
+        say(f'  loss at the origin {losses[(args.steps // 2,) * args.dims]:.4f}, largest {losses.max():.4f}')
+        if proc.master:
+            figures.landscape(args.model, coords, losses, args.out)
     elif args.command == 'flatness':
         info['results'] = []
         for sigma in args.sigma:
             flat = average_flatness(model, F.cross_entropy, batches, sigma, args.samples, args.seed, progress=log)
             info['results'].append(dict(sigma=sigma, flatness=flat))
-            print(f'  sigma {sigma:g}: E L(w + eps) - L(w) = {flat:.5g} ({args.samples} draws)', flush=True)
+            say(f'  sigma {sigma:g}: E L(w + eps) - L(w) = {flat:.5g} ({args.samples} draws)')
     elif args.command == 'neurons':
         info['active'] = active_neurons(model, batches)
         for name, f in info['active'].items():
-            print(f'  {name:24s} {100 * f:6.2f}% active')
+            say(f'  {name:24s} {100 * f:6.2f}% active')
     else:  # attention
-        dist, k = attention_distance(model, x), min(args.images, len(x))
-        info.update(distance_px=dist.tolist(), note='mean attention distance (ViT App. D.7), px, [layer][head]')
-        print('  mean attention distance per layer (px): ' + ' '.join(f'{d:.1f}' for d in dist.mean(1).tolist()))
-        figures.save_figure(figures.attention_distances([(args.model, dist)], x.shape[-1]),
+        dpx, k = attention_distance(model, x).cpu(), min(args.maps, len(x))
+        info.update(distance_px=dpx.tolist(), note='mean attention distance (ViT App. D.7), px, [layer][head]')
+        say('  mean attention distance per layer (px): ' + ' '.join(f'{d:.1f}' for d in dpx.mean(1).tolist()))
+        figures.save_figure(figures.attention_distances([(args.model, dpx)], x.shape[-1]),
                             os.path.join(args.out, 'attention_distance.png'))
-        figures.attention_maps(shown[:k], attention_maps(model, x[:k])[-1].mean(dim=1),
-                               attention_rollout(model, x[:k]), os.path.join(args.out, 'attention_maps.png'))
-    write_json(path, info)
-    print(f'  wrote {path} ({fmt_time(time.time() - start)} wall)')
+        figures.attention_maps(shown[:k], attention_maps(model, x[:k])[-1].mean(dim=1).cpu(),
+                               attention_rollout(model, x[:k]).cpu(), os.path.join(args.out, 'attention_maps.png'))
+    if proc.master:
+        write_json(path, info)
+    say(f'  wrote {path} ({fmt_time(time.time() - start)} wall)')
 
 
 # ============================================================================= Table 1 in miniature
@@ -556,7 +610,19 @@ TABLE1 = {  # family: (model, model_kw, epochs, peak lr, rho)
     'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=96', 'depth=4', 'tokens_mlp_dim=48', 'channels_mlp_dim=384'],
               22, 2e-3, 0.1),
 }
-TRAIN_FLAGS = dict(aug='basic', batch_size=128, wd=0.05, seed=0, test_subset=1000, log_every=0)
+# --preset gpu: all 50,000 training images and models that can fit them: resnet20 as He et al. (stride-1 stem),
+# ViT and Mixer on 64 tokens of 4 px, batch 512, long enough (README: an estimate) to bring every run to a training
+# error <= LOW_ERROR % (eval mode, un-augmented images); table1.md flags a run that does not.
+TABLE1_GPU = {
+    'resnet20': ('resnet20', [], 60, 8e-3, 0.05),
+    'vit': ('vit_s4_cifar', ['dim=128', 'depth=6', 'heads=4'], 80, 2e-3, 0.1),
+    'mixer': ('mixer_s4_cifar', ['dim=128', 'depth=6', 'tokens_mlp_dim=64', 'channels_mlp_dim=512'], 80, 2e-3, 0.1),
+}
+PRESETS = dict(cpu=dict(table=TABLE1, train_subset=10_000, batch_size=128),
+               gpu=dict(table=TABLE1_GPU, train_subset=50_000, batch_size=512))
+LOW_ERROR = 5.0
+# fp32 training (TF32 matmuls on a GPU, as train_cifar sets them), never bf16: the README's table is fp32
+TRAIN_FLAGS = dict(aug='basic', wd=0.05, seed=0, test_subset=1000, log_every=0, amp='off')
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -613,8 +679,9 @@ def measure_run(args, run, family, d, log):
     folder = os.path.join(args.out, 'runs', run)
     path = os.path.join(folder, 'geometry.json')
     m = json.load(open(path)) if os.path.exists(path) else {}
-    model = build_model(TABLE1[family][0], 10, 32, parse_model_kw(TABLE1[family][1]), cifar=True)
+    model = build_model(args.table[family][0], 10, 32, parse_model_kw(args.table[family][1]), cifar=True)
     load_weights(model, os.path.join(folder, 'last.pt'))
+    model.to(d['device'])
     if 'lambda_max' not in m:  # PyHessian's tol, at most 20 Hessian-vector products
         m['lambda_max'] = hessian_eigenvalue(model, F.cross_entropy, d['hessian'], iters=20, tol=1e-3, progress=log)
     if 'test_acc' not in m:  # eval mode, no augmentation; the whole training subset and test set
@@ -643,33 +710,39 @@ def measure_run(args, run, family, d, log):
     return m
 
 
-def table1(args):
-    t0 = time.time()
+def table1(args, proc):
+    t0, preset = time.time(), PRESETS[args.preset]
     if os.path.exists(os.path.join(args.out, 'table1.json')):
         raise UserError(f'--out {args.out} already holds table1.json; move it away (runs and measurements in '
                         'OUT/runs are reused)')
-    runs = {f'{f}_{opt}': dict(model=m, model_kw=kw, epochs=ep, lr=lr, train_subset=args.train_subset, **TRAIN_FLAGS,
+    args.table, args.train_subset = preset['table'], args.train_subset or preset['train_subset']
+    if max(args.hessian_n, args.ntk_n) > args.train_subset:
+        raise UserError('--hessian-n and --ntk-n are images of the --train-subset: pick them <= it')
+    runs = {f'{f}_{opt}': dict(model=m, model_kw=kw, epochs=max(1, round(ep * args.epochs_scale)), lr=lr,
+                               train_subset=args.train_subset, batch_size=preset['batch_size'], **TRAIN_FLAGS,
                                sam=opt == 'sam', **(dict(rho=rho) if opt == 'sam' else {}))
-            for opt in ('sam', 'adamw') for f, (m, kw, ep, lr, rho) in TABLE1.items()}  # the longer SAM runs first
-    print(f'geometry.py table1 | {len(runs)} runs on {args.train_subset:,} CIFAR-10 training images | {EVAL_NOTE}')
-    train_u8, train_y = load_cifar(args.data, 'cifar10', True, args.train_subset)
-    test_u8, test_y = load_cifar(args.data, 'cifar10', False)
-    stats = [torch.tensor(v).view(1, 3, 1, 1) for v in (MEAN['cifar10'], STD['cifar10'])]
-    h = balanced_subset(train_y, args.hessian_n, 10)
-    d = dict(runs=runs, train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, stats=stats,
+            for opt in ('sam', 'adamw') for f, (m, kw, ep, lr, rho) in args.table.items()}  # longer SAM runs first
+    print(f'geometry.py table1 --preset {args.preset} | {len(runs)} runs on {args.train_subset:,} CIFAR-10 training '
+          f'images, trained in fp32 | measured on {proc.device}, {PRECISION} | {EVAL_NOTE}')
+    dev = proc.device
+    train_u8, train_y = (t.to(dev) for t in load_cifar(args.data, 'cifar10', True, args.train_subset))
+    test_u8, test_y = (t.to(dev) for t in load_cifar(args.data, 'cifar10', False))
+    stats = [torch.tensor(v, device=dev).view(1, 3, 1, 1) for v in (MEAN['cifar10'], STD['cifar10'])]
+    h = balanced_subset(train_y.cpu(), args.hessian_n, 10).to(dev)
+    d = dict(runs=runs, train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, stats=stats, device=dev,
              hessian=list(zip(normalize(train_u8[h], *stats).split(250), train_y[h].split(250))),
              attention=normalize(test_u8[balanced_subset(test_y, 128, 10)], *stats))
     log = progress_printer('table1', every=30)
 
     # --- 1. NTK kappa at initialisation, the runs' initial weights (train_cifar seeds with --seed 0, then builds);
     # the official zero head drawn like the other dense layers, BatchNorm statistics of these images
-    ntk_x = normalize(train_u8[balanced_subset(train_y, args.ntk_n, 10)], *stats)
+    ntk_x = normalize(train_u8[balanced_subset(train_y.cpu(), args.ntk_n, 10).to(dev)], *stats)
     init = {}
-    for family, (name, kw, *_) in TABLE1.items():
+    for family, (name, kw, *_) in args.table.items():
         torch.manual_seed(0)
         model = build_model(name, 10, 32, parse_model_kw(kw), cifar=True)
-        init[family] = dict(params=sum(p.numel() for p in model.parameters()), head_drawn=draw_zero_head_(model),
-                            bn_calibrated=calibrate_batchnorm_(model, [(ntk_x,)]))
+        init[family] = dict(params=sum(p.numel() for p in model.parameters()), head_drawn=draw_zero_head_(model))
+        init[family]['bn_calibrated'] = calibrate_batchnorm_(model.to(dev), [(ntk_x,)])
         for red in ('trace', 'sum'):
             init[family][f'kappa_{red}'] = ntk_condition_number(model, ntk_x, red, progress=log)[0]
         print(f"  {family} at init: kappa {init[family]['kappa_trace']:.4g} (trace), {init[family]['kappa_sum']:.4g} "
@@ -681,7 +754,7 @@ def table1(args):
     with ThreadPoolExecutor(args.jobs) as pool:
         measured = dict(zip(runs, pool.map(lambda r: measure_run(args, *r, d, log), todo)))
     rows = []
-    for family in TABLE1:
+    for family in args.table:
         for run in (f'{family}_adamw', f'{family}_sam'):
             m = measured[run]
             sites = [k for k in m['active'] if not k.endswith('mlp_tokens')]  # Mixer: its channel MLPs
@@ -705,9 +778,11 @@ def table1(args):
                      + (f" {r.get('corruption_acc', math.nan):.2f} | {r.get('corruption_gap', math.nan):.1f} |"
                         if corrupt else ''))
     wall = time.time() - t0
-    md = '\n'.join(lines) + f'\n\nwall {fmt_time(wall)}\n'
+    high = [f"{r['run']} {r['train_error']:.1f}%" for r in rows if r['train_error'] > LOW_ERROR]
+    md = '\n'.join(lines) + (f'\n\ntraining error above {LOW_ERROR:g}%: ' + ', '.join(high) if high else '') + \
+        f'\n\nwall {fmt_time(wall)} | --preset {args.preset} | trained in fp32 | measured {PRECISION}\n'
     write_json(os.path.join(args.out, 'table1.json'), dict(rows=rows, wall_s=wall, args=vars(args),
-                                                          train_flags=TRAIN_FLAGS, table1=TABLE1))
+                                                          train_flags=TRAIN_FLAGS))
     with open(os.path.join(args.out, 'table1.md'), 'w') as f:
         f.write(md)
     print(md + f'done | table1 | {fmt_time(wall)} wall | {os.path.join(args.out, "table1.md")}')

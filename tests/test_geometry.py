@@ -354,13 +354,13 @@ def test_attention_maps_and_rollout_of_uniform_attention():
 def test_subcommands_end_to_end(cifar10_dir, tmp_path):
     out = tmp_path / 'geo'
     common = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=2', 'heads=2', '--data', str(cifar10_dir),
-              '--n', '20', '--batch-size', '10', '--out', str(out)]
+              '--images', '20', '--batch-size', '10', '--out', str(out)]
     G.main(['hessian', *common, '--blocks', '--iters', '3'])
     G.main(['ntk', *common, '--reduce', 'trace', '--chunk', '7'])
     G.main(['landscape', *common, '--dims', '2', '--steps', '3'])
     G.main(['flatness', *common, '--sigma', '0', '0.01', '--samples', '2'])
     G.main(['neurons', *common])
-    G.main(['attention', *common, '--images', '2'])
+    G.main(['attention', *common, '--maps', '2'])
     files = sorted(os.listdir(out))
     for name in ('hessian.json', 'ntk.json', 'landscape.json', 'landscape_contour.png', 'landscape_surface.png',
                  'flatness.json', 'neurons.json', 'attention.json', 'attention_maps.png', 'attention_distance.png'):
@@ -406,7 +406,7 @@ def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_
             Image.open(os.path.join(cifar10_dir, 'test', src, f)).convert('RGB').resize((80, 72)).save(
                 tmp_path / 'in' / 'val' / wnid / f.replace('.jpg', '.JPEG'))
     kw = ['depth=1', 'dim=16', 'heads=2', 'patch_size=16']
-    G.main(['hessian', '--dataset', 'imagenet', '--data', str(tmp_path / 'in'), '--split', 'test', '--n', '12',
+    G.main(['hessian', '--dataset', 'imagenet', '--data', str(tmp_path / 'in'), '--split', 'test', '--images', '12',
             '--model', 'vit_ti16', '--model-kw', *kw, '--img-size', '32', '--iters', '20', '--tol', '1e-4',
             '--out', str(tmp_path / 'out')])
     got = json.load(open(tmp_path / 'out' / 'hessian.json'))
