@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -419,3 +420,50 @@ def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_
     want = G.hessian_eigenvalue(model, F.cross_entropy, [(x, y)], iters=20, tol=1e-4)  # the same draws
     assert got['n'] == 12 and got['dataset'] == 'imagenet' and y.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert got['lambda_max'] == pytest.approx(want, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- devices and processes
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+VIT = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=2', 'heads=2']
+CONVMIXER = ['--model', 'convmixer_256_8', '--model-kw', 'dim=16', 'depth=2', 'kernel_size=3', 'patch_size=4']
+SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0'],  # through attention's double backward
+               # a ViT's zero head would make the loss flat along filter-normalised directions: a ConvMixer
+               'landscape': CONVMIXER + ['--dims', '2', '--steps', '3'],
+               'flatness': CONVMIXER + ['--sigma', '0.01', '0.05', '--samples', '2'], 'neurons': VIT}
+
+
+@pytest.mark.parametrize('command,nproc', [('hessian', 2), ('hessian', 3), ('landscape', 3), ('flatness', 2),
+                                           ('neurons', 3)])
+def test_torchrun_splits_the_images_and_equals_one_process(cifar10_dir, tmp_path, command, nproc, one_thread):
+    """`torchrun --nproc_per_node N geometry.py CMD` (gloo, CPU) against `python geometry.py CMD` on the same 24
+    images. Batch 4: each process's batches (12 or 8 images) are batches of the one-process run, so what differs
+    is the order of the sums: equal to 1e-6 relative, and n counts each image once. (With batches cut elsewhere
+    float32 rounding alone moves lambda_max by ~1e-6, as another --batch-size does in one process.)"""
+    common = [command, '--data', str(cifar10_dir), '--images', '24', '--batch-size', '4', *SHARD_FLAGS[command]]
+    G.main([*common, '--out', str(tmp_path / 'one')])
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': ''}
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc), '--master_port',
+                        str(free_port()), 'geometry.py', *common, '--out', str(tmp_path / 'many')], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count(f'geometry.py {command}') == 1  # rank 0 alone prints
+    one, many = (json.loads((tmp_path / d / f'{command}.json').read_text()) for d in ('one', 'many'))
+    assert (one['n'], many['n'], one['processes'], many['processes']) == (24, 24, 1, nproc)
+    read = {'hessian': lambda d: [d['lambda_max']], 'landscape': lambda d: d['loss'],
+            'flatness': lambda d: [r['flatness'] for r in d['results']], 'neurons': lambda d: list(d['active'].values())}
+    got, want = (torch.tensor(read[command](d), dtype=torch.float64).flatten() for d in (many, one))
+    assert torch.allclose(got, want, rtol=1e-6, atol=0), (got - want) / want
+    assert len(set(want.tolist())) > 1 - (command == 'hessian')
+    assert 'fp32, TF32 off' in r.stdout and one['precision'] == 'fp32, TF32 off'
+
+
+def test_ntk_and_attention_refuse_torchrun(monkeypatch, tmp_path):
+    monkeypatch.setenv('WORLD_SIZE', '2')  # torchrun's environment, checked before any process group
+    for command in ('ntk', 'attention', 'table1'):
+        with pytest.raises(G.UserError, match='runs in one process'):
+            G.main([command, *VIT * (command != 'table1'), '--data', str(tmp_path), '--out', str(tmp_path)])
