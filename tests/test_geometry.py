@@ -2,6 +2,7 @@
 closed-form NTKs of a linear model, the landscape's origin and filter norms, the Gaussian expectation
 of a quadratic for average flatness, biases that fix the active fraction, and uniform attention whose
 distance is the mean pairwise distance of the patch grid. Then each sub-command end to end."""
+import contextlib
 import itertools
 import json
 import math
@@ -19,6 +20,7 @@ import convmixer
 import geometry as G
 import mixer
 import models
+import utils
 import vit
 from torchvision.models.resnet import BasicBlock
 
@@ -232,6 +234,16 @@ def test_landscape_origin_is_the_loss_and_points_follow_the_directions():
     assert losses[3].item() == pytest.approx(moved, rel=1e-5) and abs(moved - ref) > 1e-4
     _, grid = G.loss_landscape(tiny_vit(), F.cross_entropy, batches, dims=2, steps=3)
     assert grid.shape == (3, 3)
+
+
+def test_landscape_grid_origin_is_exactly_zero():
+    """The default grid (21 steps over [-1, 1]; table1's 11): its middle coordinate is 0, not float32
+    linspace's -1.5e-8, and the grid is symmetric."""
+    model, batches = tiny_convmixer(), some_batches(n=2)
+    for steps in (21, 11):
+        coords, _ = G.loss_landscape(model, F.cross_entropy, batches, dims=1, steps=steps, span=1.0)
+        assert coords[steps // 2].item() == 0.0 and torch.equal(coords, -coords.flip(0))
+        assert coords.tolist() == pytest.approx([-1 + 2 * i / (steps - 1) for i in range(steps)], abs=1e-15)
 
 
 def test_filter_normalised_directions():
@@ -467,3 +479,30 @@ def test_ntk_and_attention_refuse_torchrun(monkeypatch, tmp_path):
     for command in ('ntk', 'attention', 'table1'):
         with pytest.raises(G.UserError, match='runs in one process'):
             G.main([command, *VIT * (command != 'table1'), '--data', str(tmp_path), '--out', str(tmp_path)])
+
+
+def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_dir, tmp_path, monkeypatch):
+    """utils.setup() picks the device (cuda:LOCAL_RANK on a GPU machine); here it answers 'meta', and every
+    sub-command must measure there: the model and the images it hands to the measurement. (The measurements are
+    stubbed: meta tensors hold no values.)"""
+    meta = torch.device('meta')
+    monkeypatch.setattr(G, 'setup', lambda amp: utils.Process(0, 0, 1, meta, amp, None, contextlib.nullcontext(), False))
+    seen = []
+
+    def on(model, x, result):  # records where the measurement got its model and images
+        seen.append((next(model.parameters()).device, x.device))
+        return result
+    stubs = dict(hessian_eigenvalue=lambda m, f, b, *a, **k: on(m, b[0][0], 1.0),
+                 loss_landscape=lambda m, f, b, *a, **k: on(m, b[0][0], (torch.zeros(3), torch.zeros(3, 3))),
+                 average_flatness=lambda m, f, b, *a, **k: on(m, b[0][0], 0.0),
+                 active_neurons=lambda m, b: on(m, b[0][0], {'blocks.0.mlp': 0.5}),
+                 ntk_condition_number=lambda m, x, *a, **k: on(m, x, (2.0, torch.ones(3))),
+                 attention_distance=lambda m, x: on(m, x, torch.ones(2, 2)),
+                 attention_maps=lambda m, x: torch.ones(2, len(x), 2, 8, 8),
+                 attention_rollout=lambda m, x: torch.ones(len(x), 8, 8))
+    for name, stub in stubs.items():
+        monkeypatch.setattr(G, name, stub)
+    common = [*VIT, '--data', str(cifar10_dir), '--images', '10', '--out', str(tmp_path)]
+    for command in ('hessian', 'ntk', 'landscape', 'flatness', 'neurons', 'attention'):
+        G.main([command, *common, *{'attention': ['--maps', '2'], 'landscape': ['--steps', '3']}.get(command, [])])
+    assert set(seen) == {(meta, meta)} and len(seen) == 8  # (flatness: one call per default --sigma, 3)
