@@ -493,7 +493,7 @@ def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_
         seen.append((next(model.parameters()).device, x.device))
         return result
     stubs = dict(hessian_eigenvalue=lambda m, f, b, *a, **k: on(m, b[0][0], 1.0),
-                 loss_landscape=lambda m, f, b, *a, **k: on(m, b[0][0], (torch.zeros(3), torch.zeros(3, 3))),
+                 loss_landscape=lambda m, f, b, *a, **k: on(m, b[0][0], (torch.zeros(3), torch.rand(3, 3))),
                  average_flatness=lambda m, f, b, *a, **k: on(m, b[0][0], 0.0),
                  active_neurons=lambda m, b: on(m, b[0][0], {'blocks.0.mlp': 0.5}),
                  ntk_condition_number=lambda m, x, *a, **k: on(m, x, (2.0, torch.ones(3))),
