@@ -506,3 +506,31 @@ def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_
     for command in ('hessian', 'ntk', 'landscape', 'flatness', 'neurons', 'attention'):
         G.main([command, *common, *{'attention': ['--maps', '2'], 'landscape': ['--steps', '3']}.get(command, [])])
     assert set(seen) == {(meta, meta)} and len(seen) == 8  # (flatness: one call per default --sigma, 3)
+
+
+def test_table1_gpu_preset_end_to_end_at_a_tiny_size(cifar10_dir, tmp_path, monkeypatch):
+    """`table1 --preset gpu` with its flags scaled down (--train-subset, --epochs-scale, --hessian-n, --ntk-n) and
+    its families shrunk to a few thousand parameters, on the CPU: every run trains in fp32 (--amp off) at the
+    preset's batch, is measured, and table1.md names the runs above the training-error threshold."""
+    tiny = {'resnet20': ('resnet20', ['stem_stride=2'], 60, 8e-3, 0.05),
+            'vit': ('vit_s4_cifar', ['patch_size=8', 'dim=16', 'depth=1', 'heads=2'], 80, 2e-3, 0.1),
+            'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=16', 'depth=1', 'tokens_mlp_dim=8',
+                                         'channels_mlp_dim=32'], 80, 2e-3, 0.1)}
+    monkeypatch.setitem(G.PRESETS['gpu'], 'table', tiny)
+    G.main(['table1', '--preset', 'gpu', '--data', str(cifar10_dir), '--out', str(tmp_path), '--train-subset', '600',
+            '--epochs-scale', '0.01', '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0'])
+    table = json.loads((tmp_path / 'table1.json').read_text())
+    assert [r['run'] for r in table['rows']] == ['resnet20_adamw', 'resnet20_sam', 'vit_adamw', 'vit_sam',
+                                                 'mixer_adamw', 'mixer_sam']
+    for r in table['rows']:
+        ran = json.loads((tmp_path / 'runs' / r['run'] / 'args.json').read_text())
+        assert (ran['amp'], ran['batch_size'], ran['train_subset'], ran['epochs']) == ('off', 512, 600, 1)
+        assert math.isfinite(r['lambda_max']) and r['train_error'] > G.LOW_ERROR
+    assert 'training error above 5%: resnet20_adamw' in (tmp_path / 'table1.md').read_text()
+
+
+def test_table1_gpu_preset_models_build():
+    with torch.device('meta'):
+        sizes = {f: sum(p.numel() for p in models.build_model(m, 10, 32, models.parse_model_kw(kw), cifar=True)
+                        .parameters()) for f, (m, kw, *_) in G.TABLE1_GPU.items()}
+    assert all(2e5 < s < 2e6 for s in sizes.values()), sizes
