@@ -467,7 +467,8 @@ def test_torchrun_splits_the_images_and_equals_one_process(cifar10_dir, tmp_path
     one, many = (json.loads((tmp_path / d / f'{command}.json').read_text()) for d in ('one', 'many'))
     assert (one['n'], many['n'], one['processes'], many['processes']) == (24, 24, 1, nproc)
     read = {'hessian': lambda d: [d['lambda_max']], 'landscape': lambda d: d['loss'],
-            'flatness': lambda d: [r['flatness'] for r in d['results']], 'neurons': lambda d: list(d['active'].values())}
+            'flatness': lambda d: [r['flatness'] for r in d['results']],
+            'neurons': lambda d: list(d['active'].values())}
     got, want = (torch.tensor(read[command](d), dtype=torch.float64).flatten() for d in (many, one))
     assert torch.allclose(got, want, rtol=1e-6, atol=0), (got - want) / want
     assert len(set(want.tolist())) > 1 - (command == 'hessian')
@@ -486,7 +487,8 @@ def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_
     sub-command must measure there: the model and the images it hands to the measurement. (The measurements are
     stubbed: meta tensors hold no values.)"""
     meta = torch.device('meta')
-    monkeypatch.setattr(G, 'setup', lambda amp: utils.Process(0, 0, 1, meta, amp, None, contextlib.nullcontext(), False))
+    process = utils.Process(0, 0, 1, meta, 'off', None, contextlib.nullcontext(), False)
+    monkeypatch.setattr(G, 'setup', lambda amp: process)
     seen = []
 
     def on(model, x, result):  # records where the measurement got its model and images
