@@ -2,9 +2,8 @@
 
 Model rows: a training step (fwd + bwd + AdamW) of our model beside timm's model of the same config,
 same weights, batch and dtype; our SAM step over our base step; peak memory; training FLOPs; on CUDA
-the achieved TFLOP/s and MFU. cifar rows: augment.make_augment at train_cifar.py's default recipe
-beside locuslab/convmixer-cifar10's pipeline (torchvision PIL transforms, one image at a time), both
-on one core; then the augmentation's share of a default CIFAR training step.
+the achieved TFLOP/s and MFU. cifar rows: augment.make_augment at train_cifar.py's default recipe beside
+locuslab/convmixer-cifar10's PIL pipeline (one image at a time), both on one core; then its share of a CIFAR step.
 
     python bench.py --quick            # every row at small sizes: a few minutes on 2 CPU cores
     python bench.py                    # full sizes
@@ -36,7 +35,8 @@ import mixer
 import vit
 from data import MEAN, STD
 from sam import SAM, first_pass, second_pass
-from utils import UserError, save_atomic
+from runs import save_atomic
+from utils import UserError
 
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
 # size on CPU, at full size on CUDA). --quick keeps the paper sizes but small batches, and runs

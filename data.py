@@ -93,6 +93,25 @@ def evaluate(model, x_u8, y, mean, std, batch_size=1024, rank=0, world=1, autoca
     return score(model, batches, autocast, world > 1)
 
 
+def measurement_images(root, dataset, train, n, img_size, norm='jax', classes=None, rank=0, world=1):
+    """n images for a measurement (geometry.py), this process's slice [n r / W, n (r + 1) / W) of them (as evaluate).
+    CIFAR: class-balanced, normalised and upsampled as train_cifar.py feeds them; 'imagenet': DIR/train or DIR/val,
+    evenly over the sorted images, the eval crop. -> (x, y, the images in [0, 1] for figures, n of all processes)"""
+    if dataset == 'imagenet':
+        folder = os.path.join(root, 'train' if train else 'val')
+        if not os.path.isdir(folder):
+            raise UserError(f'{folder} is not a folder; {LAYOUT}')
+        ds = torchvision.datasets.ImageFolder(folder, eval_transform(img_size, norm=norm))
+        pick = torch.linspace(0, len(ds) - 1, min(n, len(ds))).long()  # only this process's images are read
+        x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1]))
+                                      for i in pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]]))
+        return x, y, (x - x.min()) / (x.max() - x.min()), len(pick)  # the network's input, for the figures
+    u8, y = load_cifar(root, dataset, train, n, classes)
+    part = slice(len(y) * rank // world, len(y) * (rank + 1) // world)
+    stats = [torch.tensor(v[dataset]).view(1, 3, 1, 1) for v in (MEAN, STD)]
+    return resize(normalize(u8[part], *stats), img_size), y[part], u8[part].float() / 255, len(y)
+
+
 # -----------------------------------------------------------------------------
 # ImageNet-style folders
 MEANS = {'imagenet': ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),

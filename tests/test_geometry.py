@@ -2,10 +2,12 @@
 closed-form NTKs of a linear model, the landscape's origin and filter norms, the Gaussian expectation
 of a quadratic for average flatness, biases that fix the active fraction, and uniform attention whose
 distance is the mean pairwise distance of the patch grid. Then each sub-command end to end."""
+import contextlib
 import itertools
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -18,6 +20,7 @@ import convmixer
 import geometry as G
 import mixer
 import models
+import utils
 import vit
 from torchvision.models.resnet import BasicBlock
 
@@ -233,6 +236,16 @@ def test_landscape_origin_is_the_loss_and_points_follow_the_directions():
     assert grid.shape == (3, 3)
 
 
+def test_landscape_grid_origin_is_exactly_zero():
+    """The default grid (21 steps over [-1, 1]; table1's 11): its middle coordinate is 0, not float32
+    linspace's -1.5e-8, and the grid is symmetric."""
+    model, batches = tiny_convmixer(), some_batches(n=2)
+    for steps in (21, 11):
+        coords, _ = G.loss_landscape(model, F.cross_entropy, batches, dims=1, steps=steps, span=1.0)
+        assert coords[steps // 2].item() == 0.0 and torch.equal(coords, -coords.flip(0))
+        assert coords.tolist() == pytest.approx([-1 + 2 * i / (steps - 1) for i in range(steps)], abs=1e-15)
+
+
 def test_filter_normalised_directions():
     torch.manual_seed(0)
     for model in (tiny_convmixer(), tiny_vit(), tiny_mixer()):
@@ -354,13 +367,13 @@ def test_attention_maps_and_rollout_of_uniform_attention():
 def test_subcommands_end_to_end(cifar10_dir, tmp_path):
     out = tmp_path / 'geo'
     common = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=2', 'heads=2', '--data', str(cifar10_dir),
-              '--n', '20', '--batch-size', '10', '--out', str(out)]
+              '--images', '20', '--batch-size', '10', '--out', str(out)]
     G.main(['hessian', *common, '--blocks', '--iters', '3'])
     G.main(['ntk', *common, '--reduce', 'trace', '--chunk', '7'])
     G.main(['landscape', *common, '--dims', '2', '--steps', '3'])
     G.main(['flatness', *common, '--sigma', '0', '0.01', '--samples', '2'])
     G.main(['neurons', *common])
-    G.main(['attention', *common, '--images', '2'])
+    G.main(['attention', *common, '--maps', '2'])
     files = sorted(os.listdir(out))
     for name in ('hessian.json', 'ntk.json', 'landscape.json', 'landscape_contour.png', 'landscape_surface.png',
                  'flatness.json', 'neurons.json', 'attention.json', 'attention_maps.png', 'attention_distance.png'):
@@ -406,7 +419,7 @@ def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_
             Image.open(os.path.join(cifar10_dir, 'test', src, f)).convert('RGB').resize((80, 72)).save(
                 tmp_path / 'in' / 'val' / wnid / f.replace('.jpg', '.JPEG'))
     kw = ['depth=1', 'dim=16', 'heads=2', 'patch_size=16']
-    G.main(['hessian', '--dataset', 'imagenet', '--data', str(tmp_path / 'in'), '--split', 'test', '--n', '12',
+    G.main(['hessian', '--dataset', 'imagenet', '--data', str(tmp_path / 'in'), '--split', 'test', '--images', '12',
             '--model', 'vit_ti16', '--model-kw', *kw, '--img-size', '32', '--iters', '20', '--tol', '1e-4',
             '--out', str(tmp_path / 'out')])
     got = json.load(open(tmp_path / 'out' / 'hessian.json'))
@@ -419,3 +432,107 @@ def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_
     want = G.hessian_eigenvalue(model, F.cross_entropy, [(x, y)], iters=20, tol=1e-4)  # the same draws
     assert got['n'] == 12 and got['dataset'] == 'imagenet' and y.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert got['lambda_max'] == pytest.approx(want, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- devices and processes
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+VIT = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=2', 'heads=2']
+CONVMIXER = ['--model', 'convmixer_256_8', '--model-kw', 'dim=16', 'depth=2', 'kernel_size=3', 'patch_size=4']
+SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0'],  # through attention's double backward
+               # a ViT's zero head would make the loss flat along filter-normalised directions: a ConvMixer
+               'landscape': CONVMIXER + ['--dims', '2', '--steps', '3'],
+               'flatness': CONVMIXER + ['--sigma', '0.01', '0.05', '--samples', '2'], 'neurons': VIT}
+
+
+@pytest.mark.parametrize('command,nproc', [('hessian', 2), ('hessian', 3), ('landscape', 3), ('flatness', 2),
+                                           ('neurons', 3)])
+def test_torchrun_splits_the_images_and_equals_one_process(cifar10_dir, tmp_path, command, nproc, one_thread):
+    """`torchrun --nproc_per_node N geometry.py CMD` (gloo, CPU) against `python geometry.py CMD` on the same 24
+    images. Batch 4: each process's batches (12 or 8 images) are batches of the one-process run, so what differs
+    is the order of the sums: equal to 1e-6 relative, and n counts each image once. (With batches cut elsewhere
+    float32 rounding alone moves lambda_max by ~1e-6, as another --batch-size does in one process.)"""
+    common = [command, '--data', str(cifar10_dir), '--images', '24', '--batch-size', '4', *SHARD_FLAGS[command]]
+    G.main([*common, '--out', str(tmp_path / 'one')])
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': ''}
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc), '--master_port',
+                        str(free_port()), 'geometry.py', *common, '--out', str(tmp_path / 'many')], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count(f'geometry.py {command}') == 1  # rank 0 alone prints
+    one, many = (json.loads((tmp_path / d / f'{command}.json').read_text()) for d in ('one', 'many'))
+    assert (one['n'], many['n'], one['processes'], many['processes']) == (24, 24, 1, nproc)
+    read = {'hessian': lambda d: [d['lambda_max']], 'landscape': lambda d: d['loss'],
+            'flatness': lambda d: [r['flatness'] for r in d['results']],
+            'neurons': lambda d: list(d['active'].values())}
+    got, want = (torch.tensor(read[command](d), dtype=torch.float64).flatten() for d in (many, one))
+    assert torch.allclose(got, want, rtol=1e-6, atol=0), (got - want) / want
+    assert len(set(want.tolist())) > 1 - (command == 'hessian')
+    assert 'fp32, TF32 off' in r.stdout and one['precision'] == 'fp32, TF32 off'
+
+
+def test_ntk_and_attention_refuse_torchrun(monkeypatch, tmp_path):
+    monkeypatch.setenv('WORLD_SIZE', '2')  # torchrun's environment, checked before any process group
+    for command in ('ntk', 'attention', 'table1'):
+        with pytest.raises(G.UserError, match='runs in one process'):
+            G.main([command, *VIT * (command != 'table1'), '--data', str(tmp_path), '--out', str(tmp_path)])
+
+
+def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_dir, tmp_path, monkeypatch):
+    """utils.setup() picks the device (cuda:LOCAL_RANK on a GPU machine); here it answers 'meta', and every
+    sub-command must measure there: the model and the images it hands to the measurement. (The measurements are
+    stubbed: meta tensors hold no values.)"""
+    meta = torch.device('meta')
+    process = utils.Process(0, 0, 1, meta, 'off', None, contextlib.nullcontext(), False)
+    monkeypatch.setattr(G, 'setup', lambda amp: process)
+    seen = []
+
+    def on(model, x, result):  # records where the measurement got its model and images
+        seen.append((next(model.parameters()).device, x.device))
+        return result
+    stubs = dict(hessian_eigenvalue=lambda m, f, b, *a, **k: on(m, b[0][0], 1.0),
+                 loss_landscape=lambda m, f, b, *a, **k: on(m, b[0][0], (torch.zeros(3), torch.rand(3, 3))),
+                 average_flatness=lambda m, f, b, *a, **k: on(m, b[0][0], 0.0),
+                 active_neurons=lambda m, b: on(m, b[0][0], {'blocks.0.mlp': 0.5}),
+                 ntk_condition_number=lambda m, x, *a, **k: on(m, x, (2.0, torch.ones(3))),
+                 attention_distance=lambda m, x: on(m, x, torch.ones(2, 2)),
+                 attention_maps=lambda m, x: torch.ones(2, len(x), 2, 8, 8),
+                 attention_rollout=lambda m, x: torch.ones(len(x), 8, 8))
+    for name, stub in stubs.items():
+        monkeypatch.setattr(G, name, stub)
+    common = [*VIT, '--data', str(cifar10_dir), '--images', '10', '--out', str(tmp_path)]
+    for command in ('hessian', 'ntk', 'landscape', 'flatness', 'neurons', 'attention'):
+        G.main([command, *common, *{'attention': ['--maps', '2'], 'landscape': ['--steps', '3']}.get(command, [])])
+    assert set(seen) == {(meta, meta)} and len(seen) == 8  # (flatness: one call per default --sigma, 3)
+
+
+def test_table1_gpu_preset_end_to_end_at_a_tiny_size(cifar10_dir, tmp_path, monkeypatch):
+    """`table1 --preset gpu` with its flags scaled down (--train-subset, --epochs-scale, --hessian-n, --ntk-n) and
+    its families shrunk to a few thousand parameters, on the CPU: every run trains in fp32 (--amp off) at the
+    preset's batch, is measured, and table1.md names the runs above the training-error threshold."""
+    tiny = {'resnet20': ('resnet20', ['stem_stride=2'], 60, 8e-3, 0.05),
+            'vit': ('vit_s4_cifar', ['patch_size=8', 'dim=16', 'depth=1', 'heads=2'], 80, 2e-3, 0.1),
+            'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=16', 'depth=1', 'tokens_mlp_dim=8',
+                                         'channels_mlp_dim=32'], 80, 2e-3, 0.1)}
+    monkeypatch.setitem(G.PRESETS['gpu'], 'table', tiny)
+    G.main(['table1', '--preset', 'gpu', '--data', str(cifar10_dir), '--out', str(tmp_path), '--train-subset', '600',
+            '--epochs-scale', '0.01', '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0'])
+    table = json.loads((tmp_path / 'table1.json').read_text())
+    assert [r['run'] for r in table['rows']] == ['resnet20_adamw', 'resnet20_sam', 'vit_adamw', 'vit_sam',
+                                                 'mixer_adamw', 'mixer_sam']
+    for r in table['rows']:
+        ran = json.loads((tmp_path / 'runs' / r['run'] / 'args.json').read_text())
+        assert (ran['amp'], ran['batch_size'], ran['train_subset'], ran['epochs']) == ('off', 512, 600, 1)
+        assert math.isfinite(r['lambda_max']) and r['train_error'] > G.LOW_ERROR
+    assert 'training error above 5%: resnet20_adamw' in (tmp_path / 'table1.md').read_text()
+
+
+def test_table1_gpu_preset_models_build():
+    with torch.device('meta'):
+        sizes = {f: sum(p.numel() for p in models.build_model(m, 10, 32, models.parse_model_kw(kw), cifar=True)
+                        .parameters()) for f, (m, kw, *_) in G.TABLE1_GPU.items()}
+    assert all(2e5 < s < 2e6 for s in sizes.values()), sizes
