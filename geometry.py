@@ -4,8 +4,7 @@ sparsifies the first layers' neurons. One importable function per number (hessia
 loss_landscape average_flatness active_neurons attention_maps attention_rollout attention_distance), one
 sub-command each; `table1` trains 6 small models, then measures them. In eval mode (BatchNorm running statistics,
 no dropout / drop-path; as PyHessian and loss-landscape), batches weighted by size: the mean loss over all images;
-on the training scripts' device in fp32 (TF32 off); under torchrun the images are split over the processes.
-"""
+on the training scripts' device in fp32 (TF32 off); under torchrun the images are split over the processes."""
 import argparse
 import contextlib
 import itertools
