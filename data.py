@@ -33,9 +33,12 @@ def load_cifar(root, dataset, train, subset=0, classes=None):
     root, num_classes, split = Path(root), NUM_CLASSES[dataset], 'train' if train else 'test'
     if not ((root / 'train').is_dir() and (root / 'test').is_dir()):
         cls = {'cifar10': torchvision.datasets.CIFAR10, 'cifar100': torchvision.datasets.CIFAR100}[dataset]
+        new = not root.exists()
         try:
             ds = cls(root, train=train, download=True)  # a no-op when the files are there and pass their md5
         except (OSError, RuntimeError) as e:  # offline (URLError is an OSError), or a download failing its md5
+            if new and root.is_dir() and not any(root.iterdir()):
+                root.rmdir()  # torchvision made it: a mistyped --data leaves nothing behind
             found = 'files that fail their md5 check' if (root / cls.base_folder).exists() else f'no {dataset}'
             raise UserError(f'{root} holds {found}, and torchvision could not download it ({one_line(e)}). Fetch '
                             f'{cls.url} into {root}, or pass --data DIR with DIR/train/<class>/*, DIR/test/<class>/*')
@@ -47,7 +50,10 @@ def load_cifar(root, dataset, train, subset=0, classes=None):
     except FileNotFoundError as e:  # an empty class folder, or none at all
         raise UserError(f'{root / split}: {e}')
     train_classes = torchvision.datasets.folder.find_classes(root / 'train')[0]
-    if ds.classes != train_classes or len(ds.classes) != num_classes:
+    if ds.classes == train_classes and len(ds.classes) != num_classes:
+        raise UserError(f'{root / split} has {len(ds.classes)} class folders, {dataset} has {num_classes}: --data '
+                        f'must hold all {num_classes} (--classes picks some of them)')
+    if ds.classes != train_classes:
         raise UserError(f'{root / split} must hold the {num_classes} class folders of {root / "train"}; only in '
                         f'{split}: {sorted(set(ds.classes) - set(train_classes))}, only in train: '
                         f'{sorted(set(train_classes) - set(ds.classes))}')
@@ -138,7 +144,7 @@ class ImageFolder(torchvision.datasets.ImageFolder):
     def __init__(self, root, split, transform, img_size):
         try:
             super().__init__(os.path.join(root, split), transform=transform)
-        except (FileNotFoundError, RuntimeError) as e:  # no such folder, no class folders, or an empty one
+        except (FileNotFoundError, NotADirectoryError, RuntimeError) as e:  # none, a file, no class folders, empty
             raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
         self.img_size = img_size
 

@@ -128,6 +128,9 @@ class MlpMixer(nn.Module):
                              f'embedding drops the image border ({img_size % patch_size} px)')
         if gelu not in ('exact', 'tanh'):
             raise ValueError(f"gelu must be one of ('exact', 'tanh'), got {gelu!r}")
+        for name, value in (('dropout', dropout), ('drop_path', drop_path)):  # keep probabilities 1 - p > 0
+            if not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f'{name} must be a probability in [0, 1), got {value!r}')
         self.num_classes, self.img_size = num_classes, img_size
         num_tokens = (img_size // patch_size) ** 2  # S
 

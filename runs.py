@@ -22,8 +22,18 @@ def read_checkpoint(path, flag):
     try:
         with torch.serialization.safe_globals([Namespace]):  # timm's checkpoints hold their args
             return torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:  # zip, pickle, OS or Runtime errors: all mean "unreadable"
-        raise UserError(f'{flag} {path} is not a readable checkpoint ({type(e).__name__}: {one_line(e)})')
+    except Exception as e:  # zip, pickle, OS or Runtime errors: all mean "unreadable". torch's own text is not
+        # shown: it runs to a thousand characters and invites weights_only=False, an unsafe load of untrusted files
+        raise UserError(f'{flag} {path} is not a readable checkpoint ({type(e).__name__}); expected a file of '
+                        'torch.save: our last.pt, a timm, torchvision or locuslab state_dict')
+
+
+def written_by(ckpt):
+    """Which of our scripts wrote this torch.load()ed last.pt, from the keys only it writes; None: not one of ours."""
+    if not (isinstance(ckpt, dict) and set(RUN_KEYS) <= ckpt.keys()):
+        return None
+    return 'train_imagenet.py' if 'steps_per_epoch' in ckpt else 'train_contrastive.py' if 'moco' in ckpt else \
+        'train_cifar.py'
 
 
 def stored_args(path, flag):  # the flags of the run that wrote `path` if it is one of our last.pt files, else None
@@ -31,7 +41,7 @@ def stored_args(path, flag):  # the flags of the run that wrote `path` if it is 
     return ckpt['args'] if isinstance(ckpt, dict) and set(RUN_KEYS) <= ckpt.keys() else None
 
 
-NEW_DIRS, LOCKS = [], []  # folders this process created (removed again if a bad input leaves them empty); locks
+NEW_DIRS, LOCKS = [], {}  # folders this process created (removed if a bad input leaves them empty); its locks
 
 
 def prepare_out(args, lock=True):
@@ -48,8 +58,14 @@ def prepare_out(args, lock=True):
         NEW_DIRS.extend([] if out.exists() else [out])
         out.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
-        LOCKS.append(open(out / '.lock', 'a')) if lock else None
-        lock and fcntl.flock(LOCKS[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if lock and out.resolve() not in LOCKS:  # (this process may run again into it: a resume, in-process)
+            f = open(out / '.lock', 'a')
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                raise
+            LOCKS[out.resolve()] = f  # held until this process ends
     except BlockingIOError:
         raise UserError(f'--out {out} is in use by another run now (it holds {out / ".lock"}); pick another --out')
     except OSError as e:
@@ -93,8 +109,13 @@ def save_atomic(path, obj):
         tmp.unlink(missing_ok=True)
 
 
-def restore(ckpt, opt, scaler, args, not_inherited, log):
+def restore(ckpt, opt, scaler, args, not_inherited, log, steps):
     """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags. -> (epoch, step, history)"""
+    old = ckpt['args']['batch_size'], ckpt['step'] // max(ckpt['epoch'], 1)
+    if old != (args.batch_size, steps):  # (as train_imagenet.py says it)
+        raise UserError(f'--resume {args.resume}: that run has --batch-size {old[0]} and {old[1]} steps per epoch, '
+                        f'this one {args.batch_size} and {steps}; a resumed run keeps its global batch and training '
+                        'set')
     try:
         opt.load_state_dict(ckpt['optimizer'])
     except (ValueError, KeyError, RuntimeError) as e:

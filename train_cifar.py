@@ -26,11 +26,11 @@ import torch.nn as nn
 
 from augment import make_augment
 from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
-from models import build_model, load_weights, parse_model_kw
+from models import build_model, load_weights, parse_model_kw, zero_head
 from pgd import pgd
 from sam import SAM, first_pass, second_pass
-from runs import prepare_out, read_checkpoint, restore, save_atomic
-from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
+from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
+from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group, leave,
                    rank_zero_first, setup, since_checkpoint, wrap_ddp)
 
 # Defaults of the flags left unset. finetune: the ViT paper's CIFAR fine-tuning (Dosovitskiy et al. 2021, App. B.1.1;
@@ -106,9 +106,14 @@ def get_args(argv=None):
     # One of our runs: what it stored is the default of every flag not given (argparse fills only unset ones).
     run = args.resume or (args.checkpoint if args.eval_only and not str(args.checkpoint).endswith('.npz') else None)
     ckpt = read_checkpoint(run, '--resume' if args.resume else '--checkpoint') if run else None
-    if isinstance(ckpt, dict) and all(k in ckpt for k in RUN_KEYS):
+    if written_by(ckpt) not in (None, 'train_cifar.py'):  # its args would set the wrong recipe, data, statistics
+        raise UserError(f'{run} is a last.pt of {written_by(ckpt)}: ' + (
+            f'evaluate it with {written_by(ckpt)} --eval-only' if written_by(ckpt) == 'train_imagenet.py' else
+            f'fine-tune its backbone first (train_cifar.py --pretrained {run})' if args.eval_only else
+            f'continue it with {written_by(ckpt)} --resume, or fine-tune from it with --pretrained'))
+    if written_by(ckpt) == 'train_cifar.py':
         keep = [k for k in vars(args) if k not in NOT_INHERITED] if args.resume else \
-            ['model', 'model_kw', 'dataset', 'img_size', 'recipe', 'classes']
+            ['data', 'model', 'model_kw', 'dataset', 'img_size', 'recipe', 'classes']
         args = p.parse_args(argv, namespace=Namespace(**{k: ckpt['args'][k] for k in keep if k in ckpt['args']}))
         args.saved_args = ckpt['args']
     elif args.resume:
@@ -124,6 +129,9 @@ def get_args(argv=None):
         raise UserError('--pretrained starts a new run from weights; --resume and --eval-only load their own')
     if args.resume and args.overwrite:
         raise UserError('--resume continues a run; --overwrite would start a new one in its folder')
+    for on, flags in (('sam', ('rho', 'adaptive', 'sam_m')), ('adv', ('adv_eps', 'adv_alpha', 'adv_steps'))):
+        if not getattr(args, on) and (loose := given(p, argv, *flags)):
+            raise UserError(f'{", ".join(loose)} only act with --{on}: add --{on}, or leave them out')
     if args.classes and not (len(set(args.classes)) == len(args.classes) >= 2 and
                              all(0 <= c < NUM_CLASSES[args.dataset] for c in args.classes)):
         raise UserError(f'--classes needs 2 or more distinct labels of {args.dataset} (0..'
@@ -148,6 +156,9 @@ def make_model(args):
     model = build_model(args.model, num_classes, args.img_size, parse_model_kw(args.model_kw), cifar=True)
     if weights := args.checkpoint or args.resume or args.pretrained:  # (--checkpoint: --eval-only)
         load_weights(model, weights, finetune=bool(args.pretrained), new_head=bool(args.classes))
+    if args.eval_only and zero_head(model):  # every image would get the same logits: "accuracy" = one class's share
+        raise UserError(f'{weights} has an all-zero classifier (a backbone, e.g. a MoCo run\'s): fine-tune it first '
+                        f'(train_cifar.py --pretrained {weights})')
     return model
 
 
@@ -245,7 +256,7 @@ def main(argv=None):
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     model = wrap_ddp(raw, proc)
     fwd = torch.compile(model) if args.compile else model
-    start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log) if ckpt else (0, 0, [])
+    start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log, steps) if ckpt else (0, 0, [])
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in raw.parameters()):,} params) on '
         f'{args.dataset}: {len(train_y):,} train / {len(test_y):,} test at {args.img_size} px | {args.epochs} epochs '
@@ -288,7 +299,8 @@ def main(argv=None):
                         check_finite(first_bad, steps, saved)
                         history.append(train_row(epoch, step, lr, sums[0], (i + 1 - row_start) * args.batch_size,
                                                  t_row, t_start))
-                        save_atomic(out_dir / 'metrics.jsonl', history)
+                        if saved[0] or not args.overwrite:  # --overwrite: the old run stays whole until epoch 1 ends
+                            save_atomic(out_dir / 'metrics.jsonl', history)
                         log(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
                             f'lr {lr:.2e} | {history[-1]["img_per_s"]:,.0f} img/s | '
                             f'eta {eta(t_loop, step - start_epoch * steps, args.epochs * steps - step)}')
@@ -326,7 +338,8 @@ if __name__ == '__main__':
     try:
         main()
     except UserError as e:
-        sys.exit(f'train_cifar.py: error: {e}')
+        sys.exit(discard_new_dirs() or f'train_cifar.py: error: {e}')  # (and no empty --out left behind)
     except KeyboardInterrupt:
-        print('train_cifar.py: interrupted before training started; nothing was saved', file=sys.stderr)
+        print(discard_new_dirs() or 'train_cifar.py: interrupted before training started; nothing was saved',
+              file=sys.stderr)
         sys.exit(130)

@@ -50,9 +50,9 @@ import vit
 from data import MEAN, NUM_CLASSES, STD, load_cifar
 from models import build_model, load_weights, parse_model_kw
 from sam import SAM, first_pass, second_pass
-from runs import prepare_out, read_checkpoint, restore, save_atomic
-from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
-                   one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
+from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic
+from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group,
+                   leave, one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
 
 # BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
 AUG = dict(ratio=(3 / 4, 4 / 3), jitter=(0.4, 0.4, 0.2, 0.1), p_jitter=0.8, p_gray=0.2,
@@ -139,6 +139,8 @@ def get_args(argv=None):
                   'warmup_epochs', 'wd', 'clip_grad', 'rho', 'lr', 'moco_m', 'seed'], dict(crop_min=1, moco_m=1))
     if args.warmup_epochs > args.epochs:
         raise UserError(f'--warmup-epochs {args.warmup_epochs} exceeds --epochs {args.epochs}')
+    if not args.sam and (loose := given(p, argv, 'rho', 'adaptive')):
+        raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
     return args
 
 
@@ -444,8 +446,9 @@ def main(argv=None):
     args, t_start = get_args(argv), time.time()
     proc = setup(args.amp)  # rank, device (cuda:LOCAL_RANK when there is a GPU), autocast
     rank, world, device, autocast, log, ddp = proc.rank, proc.world, proc.device, proc.autocast, proc.log, proc.ddp
-    if not args.eval_only and args.batch_size % world:
-        raise UserError(f'--batch-size {args.batch_size} (global) does not divide by the world size {world}')
+    if not args.eval_only and (args.batch_size % world or args.batch_size < 2 * world):  # BatchNorm: 2 images
+        raise UserError(f'--batch-size {args.batch_size} (global) ' + (f'does not divide by the world size {world}' if
+                        args.batch_size % world else 'needs 2 or more images a process: the projector normalises'))
     B, b = args.batch_size, args.batch_size // world  # global, per rank
     moco, ckpt = make_moco(args)
     moco.to(device)
@@ -469,7 +472,7 @@ def main(argv=None):
         if args.sam else torch.optim.AdamW(params, lr=args.lr, weight_decay=args.wd)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # bf16 and fp32 need no scaling
     model = wrap_ddp(moco, proc)
-    start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log) if ckpt else (0, 0, [])
+    start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log, steps) if ckpt else (0, 0, [])
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in backbone.parameters()):,} backbone params, '
         f'{sum(p.numel() for p in params):,} trained) MoCo v3 on {args.dataset}: {n_train:,} train / '
@@ -537,7 +540,8 @@ def main(argv=None):
                         log(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
                             f'lr {lr:.2e} | {history[-1]["img_per_s"]:,.0f} img/s | '
                             f'eta {eta(t_loop, step - start_epoch * steps, args.epochs * steps - step)}')
-                        save_atomic(out_dir / 'metrics.jsonl', history)
+                        if saved[0] or not args.overwrite:  # --overwrite: the old run stays whole until epoch 1 ends
+                            save_atomic(out_dir / 'metrics.jsonl', history)
                     sums[0], t_row, row_start = 0, now, i + 1
             # --- end of epoch: exact evaluation on frozen features, checkpoint -------------------------------
             due = epoch + 1 == args.epochs or (args.eval_every and (epoch + 1) % args.eval_every == 0)
@@ -565,7 +569,8 @@ if __name__ == '__main__':
     try:
         main()
     except UserError as e:
-        sys.exit(f'train_contrastive.py: error: {e}')
+        sys.exit(discard_new_dirs() or f'train_contrastive.py: error: {e}')  # (and no empty --out left behind)
     except KeyboardInterrupt:
-        print('train_contrastive.py: interrupted before training started; nothing was saved', file=sys.stderr)
+        print(discard_new_dirs() or 'train_contrastive.py: interrupted before training started; nothing was saved',
+              file=sys.stderr)
         sys.exit(130)

@@ -31,7 +31,7 @@ from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform, on_device
 from models import build_model, load_weights, parse_model_kw
 from sam import SAM, first_pass, second_pass
-from runs import prepare_out, read_checkpoint, save_atomic, stored_args
+from runs import discard_new_dirs, prepare_out, read_checkpoint, save_atomic, written_by
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
                    one_line, score, setup, since_checkpoint, wrap_ddp)
 
@@ -56,7 +56,7 @@ BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_
                    randaug_n=0, mixup=0.0, cutmix=0.0, reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear')
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
 DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=256, sam=False,
-                rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0,
+                rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=8,
                 synthetic=False)  # the same in every recipe
 RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
@@ -64,13 +64,11 @@ PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of o
 POSITIVE = ['epochs', 'batch_size', 'max_micro_batch', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct',
             'eval_batch_size']
 NON_NEGATIVE = ['accum_steps', 'sam_m', 'workers', 'warmup_steps', 'wd', 'clip_grad', 'rho', 'label_smoothing',
-                'randaug_n', 'randaug_m',
-                'mixup', 'cutmix', 'reprob', 'log_every', 'save_every', 'max_steps', 'seed']
+                'randaug_n', 'randaug_m', 'mixup', 'cutmix', 'reprob', 'log_every', 'save_every', 'max_steps', 'seed']
 AT_MOST = dict(crop_min=1, crop_pct=1, label_smoothing=1, reprob=1, randaug_m=30)
 
 
-def flag(p, name, help, **kw):
-    """p.add_argument, with the default (or each recipe's) appended to the help."""
+def flag(p, name, help, **kw):  # p.add_argument, with the default (or each recipe's) appended to the help
     key = name[2:].replace('-', '_')
     if key in DEFAULTS:
         help += f' (default {DEFAULTS[key]})'
@@ -87,7 +85,7 @@ def get_args(argv=None):
     a('--data', 'ImageNet root: train/<wnid>/*.JPEG and val/<wnid>/*.JPEG', metavar='DIR')
     a('--synthetic', 'random images instead of --data: throughput only', action='store_true', default=None)
     a('--img-size', 'training and evaluation resolution (px)', type=int)
-    a('--workers', 'data-loader processes per GPU (default 8)', type=int, default=8)
+    a('--workers', 'data-loader processes per GPU', type=int)
     a('--norm', 'imagenet mean/std (ResNets, ConvMixer) or jax: (x - 0.5) / 0.5 (ViT/Mixer .npz)', choices=list(MEANS))
     a('--crop-min', 'Inception crop: the smallest crop, as a fraction of the image area', type=float)
     a('--crop-pct', 'evaluation: resize to img_size / crop_pct, centre-crop img_size', type=float)
@@ -134,7 +132,6 @@ def get_args(argv=None):
     a('--max-steps', 'stop after this many optimizer steps in all (0 = off)', type=int, default=0)
     a('--log-every', 'a progress line every N optimizer steps; 0 = per epoch', type=int)
     args = p.parse_args(argv)
-
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
         raise UserError('--eval-only evaluates --checkpoint PATH (not --resume); --checkpoint is for --eval-only')
     if (args.resume or args.eval_only) and (args.overwrite or args.pretrained):
@@ -145,16 +142,22 @@ def get_args(argv=None):
             raise UserError(f'--{name}: no such file: {getattr(args, name)}')
     source = args.resume or args.checkpoint or args.pretrained
     which = '--resume' if args.resume else '--checkpoint' if args.checkpoint else '--pretrained'
-    run = stored_args(source, which) if source else None
-    if args.resume and 'steps_per_epoch' not in (run or {}):  # (a train_cifar.py last.pt has no steps_per_epoch)
+    author = written_by(ckpt := read_checkpoint(source, which) if source and not source.endswith('.npz') else None)
+    if args.resume and author != 'train_imagenet.py':
         raise UserError(f'--resume {args.resume} is not a last.pt of train_imagenet.py (to evaluate weights use '
                         '--eval-only --checkpoint)')
+    if args.eval_only and author not in (None, 'train_imagenet.py'):  # its flags are of another recipe and data
+        raise UserError(f'--checkpoint {args.checkpoint} is a last.pt of {author}: evaluate it with {author} '
+                        '--eval-only')
     keys = RUN_KEYS if args.resume else EVAL_KEYS if args.eval_only else PRETRAINED_KEYS
-    run = {k: v for k, v in (run or {}).items() if k in keys}
+    run = {k: v for k, v in (ckpt['args'] if author else {}).items() if k in keys}
+    loose = [f'--{k.replace("_", "-")}' for k in ('rho', 'adaptive', 'sam_m') if getattr(args, k) is not None]
     recipe = args.recipe or run.get('recipe') or 'sam'
     for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():  # later ones win
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     check_ranges(args, POSITIVE, NON_NEGATIVE, AT_MOST)  # the value as given: --lr, say, before the batch scaling
+    if loose and not args.sam:
+        raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
     if not args.data and not args.synthetic:
         raise UserError(f'give --data DIR ({LAYOUT}), or --synthetic')
     with torch.device('meta'):  # every impossible model shape now, before anything slow (no memory used)
@@ -175,8 +178,8 @@ def train_transform(args, mean):
 
 
 def seed_epoch(seed, epoch, rank, start):
-    """Re-seed this process's RNG (mixup, erasing, dropout) from (seed, epoch, rank, first step): a resume at an epoch
-    boundary draws what the uninterrupted run drew. (Crops, flips, RandAugment: per image, data.ResumableSampler.)"""
+    """This process's RNG (mixup, erasing, dropout) from (seed, epoch, rank, first step): a resume at an epoch
+    boundary draws what the uninterrupted run drew. (Crops, flips, RandAugment: per image, ResumableSampler.)"""
     torch.manual_seed(epoch_seed(seed, epoch, rank, start))
 
 
@@ -230,8 +233,7 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
     return loss
 
 
-def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):
-    """The LR of optimizer step `step` (0-based)."""
+def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):  # the LR of optimizer step `step` (0-based)
     if sched == 'onecycle':  # locuslab's, as train_cifar.py runs it (t in epochs)
         t = (step + 1) / steps_per_epoch  # in epochs; integer breakpoints, as train_cifar.py
         return float(np.interp(t, [0, epochs * 2 // 5, epochs * 4 // 5, epochs], [0, peak, peak / 20, 0]))
@@ -275,8 +277,7 @@ def make_data(args, proc, micro=0):
                                              sampler=range(proc.rank, len(val_set), proc.world), **loader_kw)
     if args.eval_only:
         return val_loader, num_classes, None, None, None
-    per_step = args.batch_size // proc.world  # images per process per optimizer step
-    sampler = ResumableSampler(len(train_set), proc.world, proc.rank, args.seed, per_step)
+    sampler = ResumableSampler(len(train_set), proc.world, proc.rank, args.seed, args.batch_size // proc.world)
     if sampler.steps == 0:
         raise UserError(f'--batch-size {args.batch_size} is larger than the training set ({len(train_set)} images)')
     train_loader = OneBatch(micro, args.img_size, num_classes, proc.device) if args.synthetic else \
@@ -346,7 +347,6 @@ def main(argv=None):
     args, t_start = get_args(argv), time.time()
     proc = setup(args.amp)  # rank, device (cuda:LOCAL_RANK when there is a GPU), autocast
     world, rank, distributed, master, device, log = proc.world, proc.rank, proc.ddp, proc.master, proc.device, proc.log
-    amp_dtype = proc.amp_dtype
     fmt = torch.channels_last if args.channels_last else torch.preserve_format
     if not args.eval_only:
         per_step, k, m = split_batch(args, world)
@@ -406,9 +406,8 @@ def main(argv=None):
                 lr = lr_at(step, args.lr, args.sched, args.warmup_steps, args.epochs, steps)
                 for group in optimizer.param_groups:
                     group['lr'] = lr
-                loss = train_step(train_model, optimizer, scaler, micro, sam=args.sam,
-                                  clip_grad=args.clip_grad, label_smoothing=args.label_smoothing, amp_dtype=amp_dtype,
-                                  sam_m=m)
+                loss = train_step(train_model, optimizer, scaler, micro, sam=args.sam, clip_grad=args.clip_grad,
+                                  label_smoothing=args.label_smoothing, amp_dtype=proc.amp_dtype, sam_m=m)
                 step, n_window, window = step + 1, n_window + 1, window + loss
                 first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
                 if (args.log_every and step % args.log_every == 0) or step % steps == 0:  # a train row
@@ -423,8 +422,8 @@ def main(argv=None):
                         log(f'ep {epoch + 1}/{args.epochs} step {step - epoch * steps}/{steps} | loss '
                             f'{row["loss"]:.4f} | lr {lr:.2e} | {row["img_per_s"]:,.0f} img/s | eta '
                             f'{eta(t_loop, step - step0, total - step)}')
-                        if master:
-                            save_atomic(Path(args.out, 'metrics.jsonl'), history)
+                        if master and (saved[0] or not args.overwrite):  # --overwrite: the old run stays whole
+                            save_atomic(Path(args.out, 'metrics.jsonl'), history)  # until this one's first save
                     window, n_window, t_window = torch.zeros((), device=device), 0, time.time()
                 if args.save_every and step % args.save_every == 0 and step % steps:  # mid-epoch checkpoint
                     check_finite(first_bad, steps, saved, 'step', distributed)
@@ -466,7 +465,8 @@ if __name__ == '__main__':
     try:
         main()
     except UserError as e:
-        sys.exit(f'train_imagenet.py: error: {e}')
+        sys.exit(discard_new_dirs() or f'train_imagenet.py: error: {e}')  # (and no empty --out left behind)
     except KeyboardInterrupt:  # main() handles it once training has started
-        print('train_imagenet.py: interrupted before training started; nothing was saved', file=sys.stderr)
+        print(discard_new_dirs() or 'train_imagenet.py: interrupted before training started; nothing was saved',
+              file=sys.stderr)
         sys.exit(130)

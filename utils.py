@@ -1,6 +1,7 @@
 """Run plumbing shared by every script: the one user-error mechanism, where this process runs (torchrun's
 environment, device, mixed precision), divergence, exact evaluation, progress, teardown (the run folder: runs.py).
 Nothing here is part of an algorithm: the scripts keep their training loops (and the SAM step) written out."""
+import argparse
 import contextlib
 import datetime
 import math
@@ -34,6 +35,14 @@ def fmt_time(s):
 def epoch_seed(*key):
     """A 32-bit seed that depends on every item of key, e.g. (seed, epoch, rank) or (seed, corruption, image)."""
     return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1)[0])
+
+
+def given(parser, argv, *dests):
+    """Which of dests this command line sets (abbreviated too): argv parsed once more with each of them preset to a
+    marker that only a flag on the command line replaces (argparse fills only what a namespace lacks)."""
+    marker = object()
+    ns = parser.parse_args(argv, namespace=argparse.Namespace(**{d: marker for d in dests}))
+    return [f'--{d.replace("_", "-")}' for d in dests if getattr(ns, d) is not marker]
 
 
 def check_ranges(args, positive, non_negative, at_most):

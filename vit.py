@@ -180,6 +180,9 @@ class VisionTransformer(nn.Module):
         if img_size % patch_size:
             raise ValueError(f'img_size={img_size} is not divisible by patch_size={patch_size}: the patch '
                              f'embedding drops the image border ({img_size % patch_size} px)')
+        for name, value in (('dropout', dropout), ('attn_dropout', attn_dropout), ('drop_path', drop_path)):
+            if not isinstance(value, (int, float)) or not 0 <= value < 1:  # keep probabilities 1 - p > 0
+                raise ValueError(f'{name} must be a probability in [0, 1), got {value!r}')
         for name, value, valid in (('pool', pool, ('token', 'avg')), ('gelu', gelu, ('exact', 'tanh'))):
             if value not in valid:
                 raise ValueError(f'{name} must be one of {valid}, got {value!r}')

@@ -2,6 +2,7 @@
 budgets, and the library's own behaviour: one build_model for every model name of every script, one
 load_weights for every checkpoint format, against torchvision / timm-keyed models and the source model's logits."""
 import ast
+import subprocess
 import sys
 
 import numpy as np
@@ -189,3 +190,56 @@ def test_nccl_is_bound_to_the_process_gpu_with_a_timeout(monkeypatch):
     proc = utils.Process(9, 1, 16, torch.device('cuda', 1), 'bf16', torch.bfloat16, None, True)
     utils.init_group(proc)
     assert seen == dict(backend='nccl', device_id=torch.device('cuda', 1), timeout=datetime.timedelta(minutes=60))
+
+
+# -----------------------------------------------------------------------------
+# runs.py: the run folder (issue: a new user's mistakes).
+def test_a_second_run_into_one_out_is_refused_until_the_first_ends(tmp_path):
+    """Two runs into one --out once both said "done" and one of them was lost. The lock is flock's: a killed run
+    (whose open files close with it) leaves nothing stuck; the same process may come back (a resume in-process)."""
+    import argparse
+    import runs
+    args = argparse.Namespace(out=str(tmp_path / 'same'), overwrite=False, resume=None)
+    first = subprocess.Popen([sys.executable, '-c', 'import argparse, sys, time, runs; runs.prepare_out(argparse.'
+                              f'Namespace(out={args.out!r}, overwrite=False, resume=None)); print("locked", flush=True);'
+                              ' time.sleep(60)'], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert first.stdout.readline().strip() == 'locked'
+    with pytest.raises(runs.UserError, match=r'is in use by another run now .*\.lock\); pick another --out'):
+        runs.prepare_out(args)
+    first.kill()
+    first.wait()
+    runs.prepare_out(args)
+    runs.prepare_out(args)  # this process again: its own lock
+    runs.LOCKS.pop((tmp_path / 'same').resolve()).close()
+
+
+def test_a_folder_made_for_a_run_that_failed_at_once_is_removed_again(tmp_path):
+    import argparse
+    import runs
+    runs.prepare_out(argparse.Namespace(out=str(tmp_path / 'new' / 'out'), overwrite=False, resume=None))
+    (tmp_path / 'kept').mkdir()
+    (tmp_path / 'kept' / 'x').write_text('a user file')
+    runs.NEW_DIRS.append(tmp_path / 'kept')  # not empty: left alone
+    runs.LOCKS.pop((tmp_path / 'new' / 'out').resolve()).close()
+    runs.discard_new_dirs()
+    assert not (tmp_path / 'new' / 'out').exists() and (tmp_path / 'kept' / 'x').exists()
+    runs.NEW_DIRS.clear()
+
+
+def test_random_bytes_as_a_checkpoint_is_one_short_line_that_invites_no_unsafe_load(tmp_path):
+    import runs
+    (tmp_path / 'x.pt').write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(runs.UserError) as e:
+        runs.read_checkpoint(tmp_path / 'x.pt', '--resume')
+    assert 'weights_only' not in str(e.value) and len(str(e.value)) < 250 and '\n' not in str(e.value)
+
+
+def test_a_full_disk_is_named_as_such_and_keeps_the_last_checkpoint(tmp_path):
+    """torch.save into a file reports ENOSPC as its zip writer's RuntimeError ('enforce fail ... unexpected pos'):
+    the checkpoint is serialised in memory and written by one f.write, whose OSError names the cause."""
+    import runs
+    runs.save_atomic(tmp_path / 'last.pt', {'w': torch.ones(3)})
+    (tmp_path / 'last.pt.tmp').symlink_to('/dev/full')
+    with pytest.raises(runs.UserError, match='No space left on device; the previous last.pt is intact'):
+        runs.save_atomic(tmp_path / 'last.pt', {'w': torch.zeros(10_000)})
+    assert torch.equal(torch.load(tmp_path / 'last.pt')['w'], torch.ones(3))

@@ -352,11 +352,17 @@ BAD_SHAPES = [
     (C, dict(dim=0), 'dim must be a positive integer, got 0'),
     (C, dict(kernel_size=0), 'kernel_size must be a positive integer, got 0'),
     (C, dict(patch_size=0), 'patch_size must be a positive integer, got 0'),
-    (C, dict(activation='swish'), r"activation must be one of \('gelu', 'relu'\), got 'swish'"),    # a negative class count used to build a headless model silently (0 stays: headless on purpose)
+    (C, dict(activation='swish'), r"activation must be one of \('gelu', 'relu'\), got 'swish'"),
+    # a negative class count used to build a headless model silently (0 stays: headless on purpose)
     (V, dict(num_classes=-5), r'num_classes must be an integer >= 0 \(0: no head\), got -5'),
     (M, dict(num_classes=-1), r'num_classes must be an integer >= 0 \(0: no head\), got -1'),
     (C, dict(num_classes=-1), r'num_classes must be an integer >= 0 \(0: no head\), got -1'),
     (C, dict(num_classes=2.5), r'num_classes must be an integer >= 0 \(0: no head\), got 2.5'),
+    # a stochastic-depth or dropout rate of 1 or more divides by 0 (keep probability 1 - p) or keeps nothing
+    (V, dict(drop_path=1.5), r'drop_path must be a probability in \[0, 1\), got 1.5'),
+    (V, dict(attn_dropout=-0.1), r'attn_dropout must be a probability in \[0, 1\), got -0.1'),
+    (M, dict(drop_path=1.0), r'drop_path must be a probability in \[0, 1\), got 1.0'),
+    (M, dict(dropout=2), r'dropout must be a probability in \[0, 1\), got 2'),
 ]
 
 

@@ -414,6 +414,9 @@ def image_folder(cifar10_dir, root, fault):
         jpg.write_bytes(b'\xff\xd8\xff\xe0 not a JPEG' * 20)
     elif fault == 'truncated-image':
         jpg.write_bytes(jpg.read_bytes()[:len(jpg.read_bytes()) // 2])
+    elif fault == 'five-class-folders':
+        for c in sorted(os.listdir(root / 'train'))[5:]:
+            shutil.rmtree(root / 'train' / c), shutil.rmtree(root / 'test' / c)
     return root, jpg.name
 
 
@@ -470,6 +473,25 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
                                  '--img-size', 48, '--pretrained', '{dir}/mixer.pt'], ['Mixer of 64 tokens', '144']),
     'img-size-0': (['--img-size', 0], ['--img-size must be a finite number > 0, got 0']),
     'adv-steps-0': (['--adv', 'pgd', '--adv-steps', 0], ['--adv-steps must be a finite number > 0, got 0']),
+    # issue 25: a new user's mistakes
+    'model-kw-img-size': (['--model-kw', 'img_size=64'], ['img_size=64', 'the size from --img-size']),
+    'drop-path-1.5': (['--model', 'vit_s4_cifar', '--model-kw', 'drop_path=1.5'],
+                      ['drop_path must be a probability in [0, 1), got 1.5']),
+    'rho-without-sam': (['--rho', 0.1, '--adaptive'], ['--rho, --adaptive only act with --sam']),
+    'sam-m-without-sam': (['--sam-m', 10], ['--sam-m only act with --sam']),
+    'adv-eps-without-adv': (['--adv-eps', 4], ['--adv-eps only act with --adv']),
+    'resume-other-batch': (['--resume', '{run}/last.pt', '--epochs', 3, '--batch-size', 25],
+                           ['that run has --batch-size 50 and 4 steps per epoch, this one 25 and 8',
+                            'keeps its global']),
+    'eval-imagenet-run': (['--eval-only', '--checkpoint', '{dir}/imagenet_last.pt'],
+                          ['is a last.pt of train_imagenet.py: evaluate it with train_imagenet.py --eval-only']),
+    'eval-moco-run': (['--eval-only', '--checkpoint', '{dir}/moco_last.pt'], ['train_contrastive.py',
+                                                                                  'fine-tune its backbone first']),
+    'resume-moco-run': (['--resume', '{dir}/moco_last.pt'], ['is a last.pt of train_contrastive.py',
+                                                             'continue it with train_contrastive.py --resume']),
+    'eval-zero-head': (['--eval-only', '--checkpoint', '{dir}/zero_head.pt', *TINY],
+                       ['all-zero classifier', '--pretrained']),
+    'five-class-folders': (['--data', '{data}', '--out', '{dir}/o'], ['has 5 class folders, cifar10 has 10']),
     # issue 27: m-sharpness
     'sam-m-not-dividing': (['--sam', '--sam-m', 48, '--batch-size', 100], ['--sam-m 48 does not divide the 100 images',
                                                                            'such as 25']),
@@ -488,7 +510,14 @@ def test_bad_input(case, fork_server, tiny_run, cifar10_dir, tmp_path):
     bad_npz(tmp_path / 'bad.npz')
     torch.save(build('mixer_s16', 10, {'patch_size': 4, 'dim': 32, 'depth': 1}).state_dict(),
                tmp_path / 'mixer.pt')
-    if case in ('test-classes-differ', 'empty-class-folder', 'corrupt-image', 'truncated-image'):
+    run_keys = dict(model={}, optimizer={}, scaler={}, step=1, epoch=1, history=[], args={'recipe': 'sam'})
+    torch.save({**run_keys, 'steps_per_epoch': 1}, tmp_path / 'imagenet_last.pt')  # what only those scripts write
+    torch.save({**run_keys, 'moco': {}}, tmp_path / 'moco_last.pt')
+    zero = build('convmixer_256_8', 10, models.parse_model_kw(TINY[1:]))
+    torch.nn.init.zeros_(zero.head.weight), torch.nn.init.zeros_(zero.head.bias)
+    torch.save(zero.state_dict(), tmp_path / 'zero_head.pt')
+    if case in ('test-classes-differ', 'empty-class-folder', 'corrupt-image', 'truncated-image',
+                'five-class-folders'):
         fill['data'], fill['jpg'] = image_folder(cifar10_dir, tmp_path / 'data', case)
     if case == 'out-read-only' and os.geteuid() != 0:  # root may write anywhere but in /sys
         fill['readonly'] = tmp_path / 'ro'
@@ -807,3 +836,24 @@ def test_sam_m_of_the_whole_batch_is_the_plain_sam_step_and_smaller_groups_diffe
         weights[name] = torch.load(tmp_path / name / 'last.pt', weights_only=True)['model']
     assert all(torch.equal(v, weights['whole'][k]) for k, v in weights['plain'].items())
     assert any(not torch.allclose(v, weights['groups'][k]) for k, v in weights['plain'].items())
+
+
+def test_overwrite_keeps_the_old_run_whole_until_the_new_one_saves(cifar10_dir, tmp_path, monkeypatch):
+    """--overwrite interrupted before its first epoch ended had already replaced the old run's metrics.jsonl (the
+    progress rows are written every --log-every steps); now every old file stays until the first checkpoint."""
+    common = ['--data', cifar10_dir, '--train-subset', 200, '--test-subset', 10, '--batch-size', 50, '--epochs', 1,
+              *TINY, '--log-every', 1, '--out', tmp_path / 'run']
+    tc.main([str(a) for a in common])
+    old = {f.name: f.read_bytes() for f in (tmp_path / 'run').iterdir()}
+    real = tc.train_step
+
+    def interrupted(*a, **k):
+        interrupted.calls += 1
+        if interrupted.calls == 3:  # after two progress rows of the new run
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    interrupted.calls = 0
+    monkeypatch.setattr(tc, 'train_step', interrupted)
+    with pytest.raises(SystemExit):
+        tc.main([str(a) for a in [*common, '--overwrite', '--seed', 1]])
+    assert {f.name: f.read_bytes() for f in (tmp_path / 'run').iterdir()} == old
