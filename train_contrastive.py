@@ -451,8 +451,7 @@ def main(argv=None):
                         args.batch_size % world else 'needs 2 or more images a process: the projector normalises'))
     B, b = args.batch_size, args.batch_size // world  # global, per rank
     moco, ckpt = make_moco(args)
-    moco.to(device)
-    backbone = moco.base_encoder[0]  # the query encoder's ViT: what is evaluated and exported
+    backbone = moco.to(device).base_encoder[0]  # the query encoder's ViT: what is evaluated and exported
     out_dir = prepare_out(args) if proc.master and not args.eval_only else Path(args.out)
     init_group(proc)
     with rank_zero_first(proc) if args.dataset != 'imagenet' else contextlib.nullcontext():  # a CIFAR download

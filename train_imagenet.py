@@ -352,7 +352,7 @@ def main(argv=None):
         per_step, k, m = split_batch(args, world)
         args.out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else
                                 os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
-        prepare_out(args)
+        prepare_out(args, lock=master)  # (one lock: rank 0's)
     init_group(proc)
     val_loader, num_classes, train_loader, sampler, mix = make_data(args, proc, 0 if args.eval_only else per_step // k)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in MEANS[args.norm])

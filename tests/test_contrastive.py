@@ -272,7 +272,8 @@ def test_view_applies_ops_with_their_probabilities(images, monkeypatch):
 # 6. Bad input: one clear line, a non-zero exit, no traceback; an existing run is never overwritten.
 @pytest.mark.parametrize('case', ['no-data', 'unknown-model', 'bad-model-kw', 'missing-resume', 'resume-not-ours',
                                   'checkpoint-without-eval-only', 'corrupt-resume', 'batch-not-divisible',
-                                  'out-holds-run', 'out-is-file', 'warmup'])
+                                  'out-holds-run', 'out-is-file', 'warmup', 'batch-1', 'lr-nan', 'wd-nan',
+                                  'clip-grad-nan', 'rho-inf', 'rho-without-sam', 'resume-cifar-run'])
 def test_bad_input_in_process(case, tmp_path, monkeypatch):
     (tmp_path / 'run').mkdir()
     (tmp_path / 'run' / 'metrics.jsonl').write_text('{}\n')
@@ -291,7 +292,17 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch):
         'out-holds-run': (['--out', tmp_path / 'run'], 'already holds a run (metrics.jsonl); use --resume'),
         'out-is-file': (['--out', tmp_path / 'file'], 'is a file'),
         'warmup': (['--epochs', 5], '--warmup-epochs 40 exceeds --epochs 5'),
+        # issue 25: tracebacks (BatchNorm of one image; args.json after a whole run) and a misleading message
+        'batch-1': (['--batch-size', 1], '--batch-size 1 (global) needs 2 or more images a process'),
+        'lr-nan': (['--lr', 'nan'], '--lr must be a finite number >= 0, got nan'),
+        'wd-nan': (['--wd', 'nan'], '--wd must be a finite number >= 0, got nan'),
+        'clip-grad-nan': (['--clip-grad', 'nan'], '--clip-grad must be a finite number >= 0, got nan'),
+        'rho-inf': (['--sam', '--rho', 'inf'], '--rho must be a finite number >= 0, got inf'),
+        'rho-without-sam': (['--rho', 0.1], '--rho only act with --sam'),
+        'resume-cifar-run': (['--resume', tmp_path / 'cifar_last.pt'], 'is not a train_contrastive.py checkpoint'),
     }[case]
+    torch.save({'model': {}, 'optimizer': {}, 'scaler': {}, 'epoch': 1, 'step': 1, 'history': [], 'args': {}},
+               tmp_path / 'cifar_last.pt')  # what train_cifar.py's last.pt holds
     if case == 'batch-not-divisible':  # torchrun's environment for rank 0 of 3: checked before any process group
         monkeypatch.setenv('WORLD_SIZE', '3')
     for proxy in ('http_proxy', 'https_proxy', 'HTTP_PROXY', 'HTTPS_PROXY'):  # offline: no CIFAR download

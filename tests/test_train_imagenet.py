@@ -285,17 +285,17 @@ def test_mid_epoch_resume_keeps_the_data_order_and_ctrl_c_says_how_to_resume(tin
 
 
 KILLER = '''
-import os, runpy, signal, sys, torch
-real_save, calls = torch.save, []
-def save(obj, f, *args, **kwargs):
-    real_save(obj, f, *args, **kwargs)
-    if getattr(f, 'name', '').endswith('last.pt.tmp'):
-        calls.append(f)
+import os, runpy, signal, sys
+real_fsync, calls = os.fsync, []
+def fsync(fd):  # runs.save_atomic writes PATH.tmp, then fsyncs it: kill it there, half written
+    path = os.readlink(f'/proc/self/fd/{fd}')
+    if path.endswith('last.pt.tmp'):
+        calls.append(path)
         if len(calls) == 2:  # the end-of-epoch-2 checkpoint: half of it written, then SIGKILL
-            f.flush()
-            os.truncate(f.name, os.path.getsize(f.name) // 2)
+            os.truncate(path, os.path.getsize(path) // 2)
             os.kill(os.getpid(), signal.SIGKILL)
-torch.save = save
+    real_fsync(fd)
+os.fsync = fsync
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name='__main__')
 '''
@@ -321,7 +321,7 @@ def test_kill_during_a_save_then_resume_equals_the_uninterrupted_fp16_run(tiny_i
     strip = lambda h: [{k: v if k != 'loss' or r['kind'] == 'train' else round(v, 5) for k, v in r.items()
                         if k not in TIMING} for r in h]
     assert strip(rows(tmp_path / 'full')) == strip(rows(tmp_path / 'cut')) == strip(cut['history'])
-    assert sorted(os.listdir(tmp_path / 'cut')) == ['args.json', 'last.pt', 'metrics.jsonl']
+    assert sorted(os.listdir(tmp_path / 'cut')) == ['.lock', 'args.json', 'last.pt', 'metrics.jsonl']  # no .tmp
 
 
 def test_resume_with_sam_of_a_run_without_it_says_so(vit_runs, tmp_path, capsys):
@@ -740,6 +740,13 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
     'resume-missing': (RESUME + ['--resume', '{out}/nothing.pt'], ['--resume: no such file: {out}/nothing.pt']),
     'resume-not-ours': (RESUME + ['--resume', '{bad}/state_dict.pth'], ['is not a last.pt of train_imagenet.py']),
     'resume-a-cifar-run': (RESUME + ['--resume', '{bad}/cifar_last.pt'], ['is not a last.pt of train_imagenet.py']),
+    # issue 25
+    'data-is-a-file': (BASE + ['--data', '{bad}/cifar_last.pt'], ['--data {bad}/cifar_last.pt', 'Not a directory']),
+    'eval-a-cifar-run': (EVAL + ['--checkpoint', '{bad}/cifar_last.pt'],
+                         ['is a last.pt of train_cifar.py: evaluate it with train_cifar.py --eval-only']),
+    'eval-a-cifar-run-with-model': (EVAL + ['--checkpoint', '{bad}/cifar_last.pt'] + TINY_VIT,
+                                    ['is a last.pt of train_cifar.py']),
+    'rho-without-sam': (BASE + ['--rho', 0.1, '--sam-m', 4], ['--rho, --sam-m only act with --sam']),
     'eval-only-and-pretrained': (EVAL + ['--checkpoint', '{out}/last.pt', '--pretrained', '{out}/last.pt'],
                                  ['--overwrite or --pretrained would start a new run']),
     'resume-other-batch': (RESUME + ['--batch-size', 40],
@@ -801,3 +808,27 @@ def test_bad_input_gives_one_clear_line_and_leaves_out_untouched(name, vit_runs,
     assert name != 'lr-negative' or '-0.2' not in text  # the value given, not the batch-scaled one
     assert snapshot(out) == before and not (out / 'last.pt.tmp').exists()
 
+
+
+def test_the_loader_sends_uint8_micro_batches_and_synthetic_sends_nothing(tiny_imagenet, monkeypatch):
+    """The recipe's 4096 images at 224 px as float32 through shared memory were 2.4 GB a step: the workers now send
+    uint8 micro-batches (a quarter of the bytes, --max-micro-batch at most), normalised on the device; --synthetic
+    serves one batch made on the device instead of decoding PIL images."""
+    import utils
+    monkeypatch.delenv('WORLD_SIZE', raising=False)
+    proc = utils.setup('off')
+    args = ti.get_args([str(a) for a in ['--data', tiny_imagenet, *TINY_VIT, '--batch-size', 40, '--workers', 0,
+                                         '--max-micro-batch', 8]])
+    per_step, k, m = ti.split_batch(args, 1)
+    assert (per_step, k) == (40, 5)  # the fewest micro-batches of at most 8 images
+    val_loader, _, train_loader, sampler, _ = ti.make_data(args, proc, per_step // k)
+    x, y = next(iter(train_loader))
+    assert x.dtype == torch.uint8 and x.shape == (8, 3, IMG, IMG) and train_loader.persistent_workers is False
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in ti.MEANS[args.norm])
+    xn, _ = next(ti.on_device(train_loader, mean, std))
+    assert xn.dtype == torch.float32 and xn.abs().max() <= 1.0 + 1e-6  # jax norm: (x - 0.5) / 0.5
+    syn = ti.get_args([str(a) for a in ['--synthetic', *TINY_VIT, '--batch-size', 16, '--max-micro-batch', 8,
+                                        '--workers', 0]])
+    _, _, batches, _, _ = ti.make_data(syn, proc, 8)
+    first, second = [b for _, b in zip(range(2), batches)]
+    assert first[0] is second[0] and first[0].shape == (8, 3, IMG, IMG)  # one batch, made once
