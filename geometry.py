@@ -33,9 +33,9 @@ import figures
 from augment import normalize
 import data
 from data import MEAN, STD, balanced_subset, evaluate, load_cifar
-from models import build_model, load_model, load_weights, parse_model_kw
-from runs import save_atomic
-from utils import UserError, fmt_time, init_group, leave, progress_printer, setup
+from models import build_model, load_model, load_weights, parse_model_kw, zero_head
+from runs import prepare_out, save_atomic
+from utils import UserError, check_ranges, fmt_time, init_group, leave, progress_printer, setup
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 PRECISION = 'fp32, TF32 off'
@@ -43,8 +43,7 @@ SHARDED = ('hessian', 'landscape', 'flatness', 'neurons')  # split the images ov
 
 
 @contextlib.contextmanager
-def evaluating(model):
-    """model.eval() for the duration, then the old mode. (The HVP and the NTK pick the math attention kernel.)"""
+def evaluating(model):  # model.eval() for the duration, then the old mode (the HVP, NTK pick the math attention)
     was_training = model.training
     model.eval()
     try:
@@ -53,11 +52,8 @@ def evaluating(model):
         model.train(was_training)
 
 
-def all_sum(t):
-    """t summed over torchrun's processes, in place (each holds a slice of the images), else t as it is."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
-    return t
+def all_sum(t):  # t summed over torchrun's processes, in place (each holds a slice of the images), else t
+    return dist.all_reduce(t) or t if dist.is_available() and dist.is_initialized() else t
 
 
 @torch.no_grad()
@@ -431,21 +427,18 @@ def get_args(argv=None):
                    '(19 corruptions x 5 severities); 0 = leave the column out')
     t.add_argument('--jobs', type=int, default=2, help='training runs at a time, one thread each')
     args = p.parse_args(argv)
-    for k in ('images', 'batch_size', 'iters', 'steps', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n'):
-        if getattr(args, k, 1) < 1:
-            raise UserError(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
-    if min(getattr(args, 'chunk', 0), getattr(args, 'train_subset', 0), *getattr(args, 'sigma', [0])) < 0 or \
-            min(getattr(args, 'span', 1), getattr(args, 'epochs_scale', 1)) <= 0:
-        raise UserError('--chunk, --train-subset and --sigma must be >= 0, --span and --epochs-scale > 0')
+    has = lambda *keys: [k for k in keys if hasattr(args, k)]  # noqa: E731  (each sub-command has some of them)
+    check_ranges(args, has('images', 'batch_size', 'iters', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n', 'span',
+                           'epochs_scale'), has('chunk', 'train_subset', 'tol', 'corruption_n'),
+                 dict(corruption_n=10_000))
+    if getattr(args, 'steps', 2) < 2 or not all(math.isfinite(v) and v >= 0 for v in getattr(args, 'sigma', [])):
+        raise UserError('--steps must be >= 2 (a grid through 0) and --sigma finite and >= 0')
     if os.path.isfile(args.out):
         raise UserError(f'--out {args.out} is a file; pass a folder')
-    if not 0 <= getattr(args, 'corruption_n', 0) <= 10_000:
-        raise UserError(f'--corruption-n must be 0..10000 (test images), got {args.corruption_n}')
     return args
 
 
-def write_json(path, obj):
-    """Atomically (utils.save_atomic); inf / nan are written as null."""
+def write_json(path, obj):  # atomically (runs.save_atomic); inf / nan are written as null
     clean = lambda v: ({k: clean(u) for k, u in v.items()} if isinstance(v, dict) else  # noqa: E731
                        [clean(u) for u in v] if isinstance(v, (list, tuple)) else
                        None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -453,8 +446,7 @@ def write_json(path, obj):
 
 
 def get_model(args):
-    """--model / --model-kw (defaults: what our --checkpoint stored) built with --seed, then --checkpoint loaded
-    (models.load_model: any format). Returns (model, info for the JSON); sets args.dataset, args.norm, args.size."""
+    """models.load_model (--model, --model-kw: default what our --checkpoint stored) with --seed. -> (model, info)"""
     torch.manual_seed(args.seed)
     model, info = load_model(args.checkpoint, args.model, args.model_kw or None, args.dataset,
                              img_size=args.img_size if args.dataset == 'imagenet' else None)
@@ -481,9 +473,13 @@ def main(argv=None):
     path = os.path.join(args.out, f'{args.command}.json')
     if os.path.exists(path) and not args.overwrite:
         raise UserError(f'--out {args.out} already holds {args.command}.json; pick another --out or pass --overwrite')
+    prepare_out(argparse.Namespace(out=args.out, overwrite=True, resume=None), lock=False)  # writable, now
     model, info = get_model(args)
-    if args.command == 'attention' and not isinstance(model, vit.VisionTransformer):
-        raise UserError(f'attention needs a ViT; {args.model} is a {type(model).__name__}')
+    if args.command == 'attention' and getattr(model, 'num_prefix_tokens', 0) != 1:
+        raise UserError(f'attention reads a ViT\'s class token; {args.model} is a {type(model).__name__} without one')
+    if args.checkpoint and args.command != 'ntk' and zero_head(model):  # a MoCo backbone: its loss is log(C) flat
+        raise UserError(f'{args.checkpoint} has an all-zero classifier: fine-tune it first (train_cifar.py '
+                        '--pretrained)')
     # the official zero head is drawn on the CPU, before the move: the same draw on every device
     drawn = args.command == 'ntk' and not (args.checkpoint or args.keep_zero_head) and draw_zero_head_(model, args.seed)
     init_group(proc)
@@ -673,6 +669,8 @@ def table1(args, proc):
     dev, (train_u8, train_y), (test_u8, test_y) = proc.device, *(load_cifar(args.data, 'cifar10', t, k)
                                                                    for t, k in ((True, args.train_subset), (False, 0)))
     h, a, k = (balanced_subset(y, n, 10) for y, n in ((train_y, args.hessian_n), (test_y, 128), (train_y, args.ntk_n)))
+    if (test_y.bincount(minlength=10) < (need := max(TRAIN_FLAGS['test_subset'], args.corruption_n) // 10)).any():
+        raise UserError(f'{args.data}: table1 tests on {need} images of each class; some class has fewer')
     train_u8, train_y, test_u8, test_y = (t.to(dev) for t in (train_u8, train_y, test_u8, test_y))  # (all, on a GPU)
     stats = [torch.tensor(v, device=dev).view(1, 3, 1, 1) for v in (MEAN['cifar10'], STD['cifar10'])]
     d = dict(runs=runs, train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, stats=stats, device=dev,
@@ -733,3 +731,5 @@ if __name__ == '__main__':
         main()
     except UserError as e:
         sys.exit(f'geometry.py: error: {e}')
+    except KeyboardInterrupt:  # the JSON of a finished measurement is written; table1 reuses its finished runs
+        sys.exit(print('geometry.py: interrupted; nothing of this measurement was written', file=sys.stderr) or 130)

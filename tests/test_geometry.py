@@ -536,3 +536,51 @@ def test_table1_gpu_preset_models_build():
         sizes = {f: sum(p.numel() for p in models.build_model(m, 10, 32, models.parse_model_kw(kw), cifar=True)
                         .parameters()) for f, (m, kw, *_) in G.TABLE1_GPU.items()}
     assert all(2e5 < s < 2e6 for s in sizes.values()), sizes
+
+
+VIT = ['--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=16', 'heads=2', 'patch_size=8', '--images', '10']
+
+
+@pytest.mark.parametrize('case, argv, words', [
+    ('steps-1', ['landscape', *VIT, '--steps', '1'], '--steps must be >= 2'),
+    ('span-nan', ['landscape', *VIT, '--span', 'nan'], '--span must be a finite number > 0, got nan'),
+    ('sigma-nan', ['flatness', *VIT, '--sigma', 'nan'], '--sigma finite and >= 0'),
+    ('tol-negative', ['hessian', *VIT, '--tol', '-1'], '--tol must be a finite number >= 0, got -1.0'),
+    ('tol-nan', ['hessian', *VIT, '--tol', 'nan'], '--tol must be a finite number >= 0, got nan'),
+    ('attention-avg-pool', ['attention', *VIT[:7], 'pool=avg', *VIT[7:]], "attention reads a ViT's class token"),
+    ('out-read-only', ['neurons', *VIT, '--out', '/sys/kernel/geo'], 'is not writable'),
+    ('zero-head', ['hessian', *VIT, '--checkpoint', '{zero}'], 'has an all-zero classifier: fine-tune it first'),
+    ('missing-checkpoint', ['hessian', '--checkpoint', '{dir}/nope.pt', '--images', '10'], 'nope.pt: no such file'),
+    ('table1-few-test-images', ['table1', '--data', '{few}', '--train-subset', '100', '--hessian-n', '10', '--ntk-n',
+                                '10', '--corruption-n', '0'], 'table1 tests on 100 images of each class'),
+])
+def test_bad_input_is_one_clear_error_and_nothing_is_written(case, argv, words, cifar10_dir, tmp_path):
+    """A new user's mistakes (issue 25): each one UserError before anything is measured or trained."""
+    import shutil
+    zero = vit.create('vit_ti16', num_classes=10, img_size=32, depth=1, dim=16, heads=2, patch_size=8)
+    torch.save(zero.state_dict(), tmp_path / 'zero.pt')  # the JAX init: a zero head, as a MoCo backbone's
+    few = tmp_path / 'few'
+    for split, n in (('train', 10), ('test', 20)):
+        for c in sorted(os.listdir(cifar10_dir / split)):
+            (few / split / c).mkdir(parents=True)
+            for f in sorted(os.listdir(cifar10_dir / split / c))[:n]:
+                shutil.copy(cifar10_dir / split / c / f, few / split / c / f)
+    fill = dict(zero=tmp_path / 'zero.pt', dir=tmp_path, few=few)
+    argv = [a.format(**fill) for a in argv]
+    argv += [] if '--data' in argv else ['--data', str(cifar10_dir)]
+    argv += [] if '--out' in argv else ['--out', str(tmp_path / 'out')]
+    with pytest.raises(G.UserError) as e:
+        G.main(argv)
+    assert words in str(e.value), str(e.value)
+    assert not (tmp_path / 'out').exists() or not any((tmp_path / 'out').iterdir())
+
+
+def test_ctrl_c_is_one_line_and_exit_130(cifar10_dir, tmp_path):
+    stop = ('import runpy, sys, torch; real = torch.autograd.grad\n'
+            'def grad(*a, **k): raise KeyboardInterrupt\n'
+            'torch.autograd.grad = grad; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name="__main__")')
+    r = subprocess.run([sys.executable, '-c', stop, 'geometry.py', 'hessian', *VIT, '--data', str(cifar10_dir),
+                        '--out', str(tmp_path / 'o')], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode == 130 and 'Traceback' not in r.stderr
+    assert r.stderr.strip().splitlines() == ['geometry.py: interrupted; nothing of this measurement was written']
