@@ -207,6 +207,8 @@ def folder_samples(root, subset=0):
         classes, class_to_idx = find_classes(root)
     except (FileNotFoundError, NotADirectoryError) as e:
         raise UserError(f'{root}: {e} (expected DIR/<wnid>/*.JPEG)')
+    if set(classes) <= {'train', 'val', 'test'}:  # a data set's root, not one of its splits: no 2-class model here
+        raise UserError(f'{root} holds the splits {", ".join(classes)}, not class folders: pass {root}/<split>')
     samples = make_dataset(root, class_to_idx, extensions=IMG_EXTENSIONS, allow_empty=True)
     if subset:
         per = [[s for s in samples if s[1] == c][:subset // len(classes) + (c < subset % len(classes))]

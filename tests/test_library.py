@@ -244,3 +244,12 @@ def test_a_full_disk_is_named_as_such_and_keeps_the_last_checkpoint(tmp_path):
     with pytest.raises(runs.UserError, match='No space left on device; the previous last.pt is intact'):
         runs.save_atomic(tmp_path / 'last.pt', {'w': torch.zeros(10_000)})
     assert torch.equal(torch.load(tmp_path / 'last.pt')['w'], torch.ones(3))
+
+
+def test_a_split_root_given_as_an_image_folder_is_named_not_read_as_two_classes(cifar10_dir):
+    """An ImageNet checkpoint with a CIFAR root (DIR/{train,test}/<class>) read 'train' and 'test' as 2 classes."""
+    import data
+    with pytest.raises(data.UserError, match=r'holds the splits test, train, not class folders: pass .*/<split>'):
+        data.folder_samples(cifar10_dir)
+    classes, samples = data.folder_samples(cifar10_dir / 'test', subset=20)
+    assert len(classes) == 10 and len(samples) == 20
