@@ -1,19 +1,18 @@
 """Robustness of any checkpoint of this repo: ImageNet-C, ImageNet-R, CIFAR-10-C, on-the-fly corruptions, PGD / FGSM.
 
 Chen, Hsieh & Gong 2021 (Sec. 4) score robustness as the MEAN ACCURACY over the 19 ImageNet-C corruptions x 5
-severities (Hendrycks & Dietterich 2019: 15 benchmark corruptions + 4 extra) and as ImageNet-R top-1 (Hendrycks et
-al. 2021). This file reports both, the same model's clean accuracy beside them, each group's mean, and the mCE most
-tools print (15 corruptions, errors normalised by AlexNet's), which is not the paper's figure.
-
+severities (Hendrycks & Dietterich 2019: 15 benchmark + 4 extra) and as ImageNet-R top-1 (Hendrycks et al. 2021).
+Reported here: both, the same model's clean accuracy, each group's mean, and the mCE most tools print (15
+corruptions, errors normalised by AlexNet's), which is not the paper's figure.
 --benchmark imagenet-c  DATA/<corruption>/<1..5>/<wnid>/*.JPEG; --clean, the ImageNet val folder, gives the classes.
             imagenet-r  DATA/<wnid>/*.jpg, 200 wnids; the logits restricted to them (hendrycks/imagenet-r eval.py).
             cifar10-c   DATA/<corruption>.npy (severity s in rows (s-1)N..sN) + DATA/labels.npy.
             corrupt     the --data set corrupted here by imagecorruptions and cached in the CIFAR-10-C layout:
                         ImageNet-C's constants at the data's size, NOT the published CIFAR-10-C (re-tuned for 32 px).
 --attack pgd|fgsm       clean and robust accuracy on the clean set (Madry et al. 2018; pgd.py).
-`robustness.py compare A.json B.json --out x.png` draws runs side by side. Under torchrun each image is counted once.
-Preprocessing is the checkpoint's: CIFAR models see 32 px with their data set's mean/std; ImageNet models
-data.eval_transform with their recipe's size, crop_pct, interpolation and norm (last.pt's; the flags override them).
+`robustness.py compare A.json B.json --out x.png` draws runs side by side. Under torchrun each image counts once.
+Preprocessing is the checkpoint's: CIFAR models their data set's mean/std at 32 px (a run's --img-size upsampled,
+its --classes only); ImageNet models data.eval_transform with their recipe's size, crop_pct, interpolation, norm.
 """
 import argparse
 import concurrent.futures
@@ -38,7 +37,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, make_dat
 
 import figures
 from augment import normalize
-from data import MEAN, MEANS, NUM_CLASSES, STD, eval_transform, folder_batches, folder_samples, load_cifar
+from data import MEAN, MEANS, STD, eval_transform, folder_batches, folder_samples, load_cifar
 from models import load_model, zero_head
 from pgd import fgsm, pgd
 from runs import save_atomic, stored_args
@@ -204,9 +203,8 @@ def corruption_package():
 
 
 def open_cache(cache_dir):
-    """meta.json of a cache this script made, or None for a folder to make (absent or empty). Anything else is
-    refused: a cache never writes into a folder it did not make, nor reads another's arrays (a published
-    CIFAR-10-C: .npy files, no meta.json) as corruptions of its own."""
+    """meta.json of a cache this script made, or None for a folder to make (absent or empty). Anything else is refused:
+    a cache never writes into a folder it did not make, nor reads a published CIFAR-10-C's arrays as its own."""
     path = os.path.join(cache_dir, 'meta.json')
     if not os.path.exists(cache_dir) or (os.path.isdir(cache_dir) and not os.listdir(cache_dir)):
         return None
@@ -249,12 +247,10 @@ def use_cache(cache_dir, meta, labels, corruptions):
 def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPTIONS, severities=SEVERITIES,
                         seed=0, cache_dir=None, batch_size=256, *, workers=0, rank=0, world=1, amp=False,
                         progress=False):
-    """Accuracy (%) of `model` on uint8 images (N, 3, H, W), H, W >= 32, corrupted on the fly, and clean. mean, std:
-    the input normalisation on [0, 1] pixels. cache_dir: keep the corrupted set there (CIFAR-10-C layout, all 5
-    severities; a folder it made, or a new or empty one) so that the next call only evaluates; None: in memory.
-    workers: spawned processes that corrupt. Under torch.distributed call it on every rank with rank and world:
-    each corrupts and counts its slice, rank 0 writes the cache. progress: a line on stderr per corruption made.
-    Returns summarize()'s dict (clean, counts, acc, corruption_mean, mean_acc, groups, gap) + note."""
+    """Accuracy (%) of `model` on uint8 images (N, 3, H, W) of >= 32 px corrupted on the fly, and clean (mean, std:
+    the normalisation on [0, 1]). cache_dir: the corrupted set kept there (CIFAR-10-C layout, 5 severities; a folder
+    it made, or new or empty) for the next call; None: in memory. workers: corrupting processes. Under torchrun call
+    it on every rank: each its slice, rank 0 writes the cache. progress: a line per corruption. -> summarize() + note"""
     version = corruption_package()
     if len(labels) != len(images_u8) or images_u8.dtype != torch.uint8 or images_u8.ndim != 4 \
             or min(images_u8.shape[2:]) < 32:
@@ -537,15 +533,19 @@ def prepare(args):
 
 
 def run(args, stored, dataset, clean_root, classes, samples):
-    t_start = time.time()
-    mask = imagenet_r_mask(classes) if args.benchmark == 'imagenet-r' else None
+    t_start, mask = time.time(), imagenet_r_mask(classes) if args.benchmark == 'imagenet-r' else None
     # --- distributed setup, the torchrun way; the model and the clean set ---
     proc = setup(args.amp)  # rank, device (cuda:LOCAL_RANK when there is a GPU)
     rank, world, device, amp, batch = proc.rank, proc.world, proc.device, proc.amp == 'bf16', args.eval_batch_size
     init_group(proc)
     prep = preprocessing(args, stored, dataset)
-    model, info = load_model(args.checkpoint, args.model, args.model_kw, dataset, img_size=prep['img_size'],
-                             num_classes=len(classes) if dataset == 'imagenet' else NUM_CLASSES[dataset])
+    cifar = dataset != 'imagenet'  # CIFAR: the run's own --img-size and --classes, from our last.pt
+    model, info = load_model(args.checkpoint, args.model, args.model_kw, dataset, img_size=None if cifar else
+                             prep['img_size'], num_classes=None if cifar else len(classes))
+    if cifar and info['img_size'] != 32:  # train_cifar.py --img-size upsampled each 32-px batch: so does the model
+        model = torch.nn.Sequential(torch.nn.Upsample(info['img_size'], mode='bilinear'), model).eval()
+    if args.benchmark == 'cifar10-c' and (some := info['stored'].get('classes')):
+        raise UserError(f'CIFAR-10-C holds all 10 classes; {args.checkpoint} knows only --classes {some}')
     if zero_head(model):  # every image would get one class: chance reported as the model's accuracy
         raise UserError(f'{args.checkpoint}: its classifier head is all zeros (a train_contrastive.py backbone?); '
                         f'fine-tune it first: train_cifar.py --pretrained {args.checkpoint}')
@@ -553,7 +553,7 @@ def run(args, stored, dataset, clean_root, classes, samples):
     if dataset == 'imagenet':
         transform = uint8_transform(prep)
     else:
-        x_clean, y_clean = load_cifar(clean_root, dataset, train=False, subset=args.subset)
+        x_clean, y_clean = load_cifar(clean_root, dataset, False, args.subset, info['stored'].get('classes'))
         clean_hwc = x_clean.permute(0, 2, 3, 1).numpy()
     mean, std = (torch.tensor(prep[k], dtype=torch.float32, device=device).view(1, 3, 1, 1) for k in ('mean', 'std'))
     r = {'benchmark': args.benchmark or 'attack', 'model': name, 'model_kw': kw, 'checkpoint': args.checkpoint,

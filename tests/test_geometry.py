@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import convmixer
+import data
 import geometry as G
 import mixer
 import models
@@ -584,3 +585,22 @@ def test_ctrl_c_is_one_line_and_exit_130(cifar10_dir, tmp_path):
                        env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 130 and 'Traceback' not in r.stderr
     assert r.stderr.strip().splitlines() == ['geometry.py: interrupted; nothing of this measurement was written']
+
+
+def test_runs_with_their_own_img_size_or_classes_are_measured_on_their_inputs(cifar10_dir, tmp_path):
+    """A train_cifar.py --img-size 48 or --classes 3 5 run used to be refused blaming --model/--dataset: now the
+    model is built as the run stored it, its images are its classes, upsampled as train_cifar.py feeds them."""
+    import train_cifar
+    common = ['--data', cifar10_dir, '--train-subset', 100, '--test-subset', 20, '--batch-size', 50, '--epochs', 1,
+              '--model-kw', 'dim=16', 'depth=1', 'patch_size=4', 'kernel_size=3', '--log-every', 0, '--aug', 'basic']
+    for name, extra, size, classes in (('big', ['--img-size', 48], 48, None), ('two', ['--classes', 3, 5], 32, [3, 5])):
+        train_cifar.main([str(a) for a in [*common, *extra, '--out', tmp_path / name]])
+        G.main(['neurons', '--checkpoint', str(tmp_path / name / 'last.pt'), '--data', str(cifar10_dir), '--images',
+                '20', '--out', str(tmp_path / f'geo_{name}')])
+        got = json.loads((tmp_path / f'geo_{name}' / 'neurons.json').read_text())
+        model, _ = models.load_model(tmp_path / name / 'last.pt')  # the oracle: the images as train_cifar feeds them
+        u8, y = data.load_cifar(cifar10_dir, 'cifar10', True, 20, classes)
+        stats = [torch.tensor(v['cifar10']).view(1, 3, 1, 1) for v in (data.MEAN, data.STD)]
+        x = data.resize((u8.float() / 255 - stats[0]) / stats[1], size)
+        want = G.active_neurons(model, [(x, y)])
+        assert got['n'] == 20 and got['active'] == pytest.approx(want, rel=1e-6), name

@@ -559,3 +559,22 @@ def test_counting_and_attack_loops_make_no_host_sync_and_gather_only_to_rank_0(m
     (rows, dst_list, dst), = sent
     assert dst_list is None and dst == 0 and set(rows) == {1, 2, 3, 4, 5}
     assert all(r.dtype == np.uint8 and r.shape == (5, 32, 32, 3) for r in rows.values())  # its own half only
+
+
+def test_runs_with_their_own_img_size_or_classes_load_and_score_as_train_cifar_does(cifar10_dir, tmp_path):
+    """A train_cifar.py run made with --img-size 48 (it upsamples each 32-px batch) or --classes 3 5 (two outputs,
+    relabelled) used to be refused with a message blaming --model/--dataset: now each loads, and its clean accuracy
+    is the one data.evaluate gives (train_cifar's evaluation) on the same images."""
+    import models
+    import train_cifar
+    common = ['--data', cifar10_dir, '--train-subset', 100, '--test-subset', 20, '--batch-size', 50, '--epochs', 1,
+              '--model-kw', 'dim=16', 'depth=1', 'patch_size=4', 'kernel_size=3', '--log-every', 0, '--aug', 'basic']
+    for name, extra in (('big', ['--img-size', 48]), ('two', ['--classes', 3, 5])):
+        train_cifar.main([str(a) for a in [*common, *extra, '--out', tmp_path / name]])
+        r = rb.main(['--attack', 'fgsm', '--data', cifar10_dir, '--subset', 20, '--checkpoint',
+                     tmp_path / name / 'last.pt', '--out', tmp_path / f'rob_{name}', '--no-plot'])
+        model, info = models.load_model(tmp_path / name / 'last.pt')
+        x, y = data.load_cifar(cifar10_dir, 'cifar10', False, 20, info['stored'].get('classes'))
+        mean, std = (torch.tensor(v['cifar10']).view(1, 3, 1, 1) for v in (data.MEAN, data.STD))
+        want = data.evaluate(model, x, y, mean, std, img_size=info['img_size'])
+        assert r['attack']['n'] == want['n'] == 20 and r['attack']['clean_correct'] == want['correct'], name
