@@ -857,3 +857,21 @@ def test_overwrite_keeps_the_old_run_whole_until_the_new_one_saves(cifar10_dir, 
     with pytest.raises(SystemExit):
         tc.main([str(a) for a in [*common, '--overwrite', '--seed', 1]])
     assert {f.name: f.read_bytes() for f in (tmp_path / 'run').iterdir()} == old
+
+
+def test_eval_only_takes_data_from_the_run_and_a_mistyped_data_leaves_no_folder(cifar10_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """README's `train_cifar.py --eval-only --checkpoint runs/x/last.pt` ran from another folder made ./data and tried
+    to download CIFAR-10: --data now comes from the run. A mistyped --data (offline) leaves neither it nor --out."""
+    tc.main([str(a) for a in ['--data', cifar10_dir, '--train-subset', 100, '--test-subset', 20, '--batch-size', 50,
+                              '--epochs', 1, *TINY, '--log-every', 0, '--out', tmp_path / 'run']])
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    tc.main(['--eval-only', '--checkpoint', str(tmp_path / 'run' / 'last.pt'), '--test-subset', '20'])
+    assert '(' in capsys.readouterr().out and not (tmp_path / 'data').exists()
+    for proxy in ('http_proxy', 'https_proxy', 'HTTP_PROXY', 'HTTPS_PROXY'):
+        monkeypatch.setenv(proxy, 'http://127.0.0.1:9')
+    r = subprocess.run([sys.executable, SCRIPT, '--data', str(tmp_path / 'typo'), '--out', str(tmp_path / 'new')],
+                       env=env(**OFFLINE), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and 'could not download' in r.stderr
+    assert not (tmp_path / 'typo').exists() and not (tmp_path / 'new').exists()

@@ -326,10 +326,11 @@ def test_kill_during_a_save_then_resume_equals_the_uninterrupted_fp16_run(tiny_i
 
 def test_resume_with_sam_of_a_run_without_it_says_so(vit_runs, tmp_path, capsys):
     shutil.copytree(vit_runs['A'], tmp_path / 'run')
-    main(['--resume', tmp_path / 'run' / 'last.pt', '--sam', '--epochs', 3, '--workers', 0])
+    main(['--resume', tmp_path / 'run' / 'last.pt', '--sam', '--epochs', 3])  # --workers: the run's 0, not 8
     assert 'at epoch 3, step 20 (0 of 10 in this epoch); changed: --sam False -> True, --epochs 2 -> 3\n' in \
         capsys.readouterr().out
-    assert load(tmp_path / 'run' / 'last.pt')['args']['sam'] is True and rows(tmp_path / 'run')[-1]['epoch'] == 3
+    args = load(tmp_path / 'run' / 'last.pt')['args']
+    assert args['sam'] is True and args['workers'] == 0 and rows(tmp_path / 'run')[-1]['epoch'] == 3
 
 
 # -----------------------------------------------------------------------------------------------
