@@ -655,8 +655,7 @@ def measure_run(args, run, family, d, log):
 def table1(args, proc):
     t0, preset = time.time(), PRESETS[args.preset]  # (a preset's train_subset: when --train-subset is 0)
     if os.path.exists(os.path.join(args.out, 'table1.json')):
-        raise UserError(f'--out {args.out} already holds table1.json; move it away (runs and measurements in '
-                        'OUT/runs are reused)')
+        raise UserError(f'--out {args.out} already holds table1.json; move it away (OUT/runs/* are reused)')
     args.table, args.train_subset = preset['table'], args.train_subset or preset['train_subset']
     if max(args.hessian_n, args.ntk_n) > args.train_subset:
         raise UserError('--hessian-n and --ntk-n are images of the --train-subset: pick them <= it')
@@ -691,10 +690,11 @@ def table1(args, proc):
             print(f"  {family} at init: kappa ({red}) {init[family][f'kappa_{red}']:.4g}", flush=True)
 
     # --- 2. train (train_cifar.py subprocesses, one thread each) and measure, --jobs runs at a time
+    threads, todo = torch.get_num_threads(), [(run, run.rsplit('_', 1)[0]) for run in runs]
     torch.set_num_threads(1)  # each worker thread computes on one core, beside its neighbour's training
-    todo = [(run, run.rsplit('_', 1)[0]) for run in runs]
     with ThreadPoolExecutor(args.jobs) as pool:
         measured = dict(zip(runs, pool.map(lambda r: measure_run(args, *r, d, log), todo)))
+    torch.set_num_threads(threads)  # (an importer's setting: table1 may be called in-process)
     rows = []
     for f, run in ((f, f'{f}_{opt}') for f in args.table for opt in ('adamw', 'sam')):
         m = measured[run]

@@ -109,13 +109,8 @@ def save_atomic(path, obj):
         tmp.unlink(missing_ok=True)
 
 
-def restore(ckpt, opt, scaler, args, not_inherited, log, steps):
+def restore(ckpt, opt, scaler, args, not_inherited, log):
     """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags. -> (epoch, step, history)"""
-    old = ckpt['args']['batch_size'], ckpt['step'] // max(ckpt['epoch'], 1)
-    if old != (args.batch_size, steps):  # (as train_imagenet.py says it)
-        raise UserError(f'--resume {args.resume}: that run has --batch-size {old[0]} and {old[1]} steps per epoch, '
-                        f'this one {args.batch_size} and {steps}; a resumed run keeps its global batch and training '
-                        'set')
     try:
         opt.load_state_dict(ckpt['optimizer'])
     except (ValueError, KeyError, RuntimeError) as e:

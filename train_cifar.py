@@ -256,7 +256,7 @@ def main(argv=None):
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     model = wrap_ddp(raw, proc)
     fwd = torch.compile(model) if args.compile else model
-    start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log, steps) if ckpt else (0, 0, [])
+    start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log) if ckpt else (0, 0, [])
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in raw.parameters()):,} params) on '
         f'{args.dataset}: {len(train_y):,} train / {len(test_y):,} test at {args.img_size} px | {args.epochs} epochs '
@@ -267,7 +267,7 @@ def main(argv=None):
         f' | aug {args.aug} | amp {proc.amp} | {device}')
     last, epoch, saved = out_dir / 'last.pt', start_epoch, (args.resume, start_epoch)  # saved: the last good one
     first_bad = torch.full((), NO_STEP, device=device)  # first non-finite loss: kept on the device, no sync
-    t_loop = time.time()
+    t_loop, step0 = time.time(), step  # (a resume may change the steps per epoch)
     try:
         for epoch in range(start_epoch, args.epochs):
             # (seed, epoch, rank): each rank its own augmentation and dropout; one data order, rank r takes its slice
@@ -303,7 +303,7 @@ def main(argv=None):
                             save_atomic(out_dir / 'metrics.jsonl', history)
                         log(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
                             f'lr {lr:.2e} | {history[-1]["img_per_s"]:,.0f} img/s | '
-                            f'eta {eta(t_loop, step - start_epoch * steps, args.epochs * steps - step)}')
+                            f'eta {eta(t_loop, step - step0, (args.epochs - epoch) * steps - i - 1)}')
                     sums[0], t_row, row_start = 0, time.time(), i + 1  # on every rank: the next row's window
             if proc.ddp:
                 dist.all_reduce(sums)
@@ -317,7 +317,7 @@ def main(argv=None):
             loss_sum, correct, count = sums[1].tolist()
             log(f'ep {epoch + 1}/{args.epochs} | train loss {loss_sum / count:.4f} acc {100 * correct / count:.2f}% | '
                 f'test loss {r["loss"]:.4f} acc {r["top1"]:.2f}% | {time.time() - t_epoch:.1f} s | '
-                f'eta {eta(t_loop, step - start_epoch * steps, args.epochs * steps - step)}')
+                f'eta {eta(t_loop, step - step0, (args.epochs - epoch - 1) * steps)}')
             if proc.master:  # last.pt first: it holds the history the other two are rebuilt from
                 save_atomic(last, {'model': raw.state_dict(), 'optimizer': opt.state_dict(), 'history': history,
                                    'scaler': scaler.state_dict(), 'epoch': epoch + 1, 'step': step, 'args': run_args})

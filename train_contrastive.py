@@ -471,7 +471,7 @@ def main(argv=None):
         if args.sam else torch.optim.AdamW(params, lr=args.lr, weight_decay=args.wd)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # bf16 and fp32 need no scaling
     model = wrap_ddp(moco, proc)
-    start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log, steps) if ckpt else (0, 0, [])
+    start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log) if ckpt else (0, 0, [])
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in backbone.parameters()):,} backbone params, '
         f'{sum(p.numel() for p in params):,} trained) MoCo v3 on {args.dataset}: {n_train:,} train / '
@@ -482,7 +482,7 @@ def main(argv=None):
     gen = torch.Generator(device)
     last, epoch, saved = out_dir / 'last.pt', start_epoch, (args.resume, start_epoch)  # saved: the last good one
     first_bad = torch.full((), NO_STEP, device=device)  # first non-finite loss, on the device: no sync
-    t_loop = time.time()
+    t_loop, step0 = time.time(), step  # (a resume may change the steps per epoch)
     try:
         for epoch in range(start_epoch, args.epochs):
             # Every draw of this epoch comes from (seed, epoch): an exact resume at an epoch boundary. Data
@@ -538,7 +538,7 @@ def main(argv=None):
                     if proc.master and i + 1 < steps:
                         log(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
                             f'lr {lr:.2e} | {history[-1]["img_per_s"]:,.0f} img/s | '
-                            f'eta {eta(t_loop, step - start_epoch * steps, args.epochs * steps - step)}')
+                            f'eta {eta(t_loop, step - step0, (args.epochs - epoch) * steps - i - 1)}')
                         if saved[0] or not args.overwrite:  # --overwrite: the old run stays whole until epoch 1 ends
                             save_atomic(out_dir / 'metrics.jsonl', history)
                     sums[0], t_row, row_start = 0, now, i + 1
@@ -548,7 +548,7 @@ def main(argv=None):
             history += evals
             log(f'ep {epoch + 1}/{args.epochs} | train loss {sums[1].item() / steps:.4f} | '
                 + ''.join(f'{r["protocol"]} acc {r["top1"]:.2f}% | ' for r in evals) + f'{time.time() - t_epoch:.1f} s'
-                f' | eta {eta(t_loop, step - start_epoch * steps, args.epochs * steps - step)}')
+                f' | eta {eta(t_loop, step - step0, (args.epochs - epoch - 1) * steps)}')
             if proc.master:
                 save_run(out_dir, moco, backbone, opt, scaler, epoch, step, history, run_args, data['classes'])
             saved = (last, epoch + 1)
