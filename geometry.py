@@ -612,44 +612,44 @@ def train_flags(want):  # train_cifar.py's command line for the flags in `want` 
                                                 [flag(k), *v] if isinstance(v, list) else [flag(k), v])]
 
 
-CACHE_LOCK = threading.Lock()
+LOCK = threading.Lock()
 
 
 def measure_run(args, run, family, d, log):
     """train_run, then measure on the device into OUT/runs/RUN/geometry.json; a rerun adds only what is missing."""
     train_run(args, run, d['runs'][run])
-    folder = os.path.join(args.out, 'runs', run)
-    path = os.path.join(folder, 'geometry.json')
-    m = json.load(open(path)) if os.path.exists(path) else {}
-    model = build_model(args.table[family][0], 10, 32, parse_model_kw(args.table[family][1]), cifar=True)
-    load_weights(model, os.path.join(folder, 'last.pt'))
-    model.to(d['device'])
-    if 'lambda_max' not in m:  # PyHessian's tol, at most 20 Hessian-vector products
-        m['lambda_max'] = hessian_eigenvalue(model, F.cross_entropy, d['hessian'], iters=20, tol=1e-3, progress=log)
-    if 'test_acc' not in m:  # eval mode, no augmentation; the whole training subset and test set
-        m['train_error'] = 100 - evaluate(model, d['train_u8'], d['train_y'], *d['stats'], 500)['top1']
-        m['test_acc'] = evaluate(model, d['test_u8'], d['test_y'], *d['stats'], 500)['top1']
-        m['active'] = active_neurons(model, d['hessian'])
-    if family == 'vit' and 'landscape' not in m:  # the same directions seed for both ViTs
-        coords, losses = loss_landscape(model, F.cross_entropy, d['hessian'][:2], 2, 11, 1.0, progress=log)  # 500
-        m.update(landscape=dict(coords=coords.tolist(), loss=losses.tolist()),
-                 attention_distance_px=attention_distance(model, d['attention']).tolist())
-    if args.corruption_n and m.get('corruption_n') != args.corruption_n:  # robustness.py on the same test images
-        rob = os.path.join(folder, 'robustness')
-        with CACHE_LOCK:  # one writer of the shared cache: the first run corrupts the set, the others read it
+    with LOCK:  # one measurement at a time: the HVP's attention kernel (sdpa_kernel) is a process-wide choice
+        folder = os.path.join(args.out, 'runs', run)
+        path = os.path.join(folder, 'geometry.json')
+        m = json.load(open(path)) if os.path.exists(path) else {}
+        model = build_model(args.table[family][0], 10, 32, parse_model_kw(args.table[family][1]), cifar=True)
+        load_weights(model, os.path.join(folder, 'last.pt'))
+        model.to(d['device'])
+        if 'lambda_max' not in m:  # PyHessian's tol, at most 20 Hessian-vector products
+            m['lambda_max'] = hessian_eigenvalue(model, F.cross_entropy, d['hessian'], iters=20, tol=1e-3, progress=log)
+        if 'test_acc' not in m:  # eval mode, no augmentation; the whole training subset and test set
+            m['train_error'] = 100 - evaluate(model, d['train_u8'], d['train_y'], *d['stats'], 500)['top1']
+            m['test_acc'] = evaluate(model, d['test_u8'], d['test_y'], *d['stats'], 500)['top1']
+            m['active'] = active_neurons(model, d['hessian'])
+        if family == 'vit' and 'landscape' not in m:  # the same directions seed for both ViTs
+            coords, losses = loss_landscape(model, F.cross_entropy, d['hessian'][:2], 2, 11, 1.0, progress=log)  # 500
+            m.update(landscape=dict(coords=coords.tolist(), loss=losses.tolist()),
+                     attention_distance_px=attention_distance(model, d['attention']).tolist())
+        if args.corruption_n and m.get('corruption_n') != args.corruption_n:  # robustness.py on the same test images
+            rob = os.path.join(folder, 'robustness')
             script('robustness.py', ['--benchmark', 'corrupt', '--data', args.data, '--subset', args.corruption_n,
                                      '--checkpoint', os.path.join(folder, 'last.pt'), '--seed', 0, '--workers', 0,
-                                     '--eval-batch-size', 500, '--no-plot', '--overwrite', '--out', rob,
-                                     '--cache', os.path.join(args.out, f'cifar10c-{args.corruption_n}')],
+                                     '--eval-batch-size', 500, '--no-plot', '--overwrite', '--out', rob,  # (under LOCK:
+                                     '--cache', os.path.join(args.out, f'cifar10c-{args.corruption_n}')],  # one writer)
                    os.path.join(args.out, 'logs', f'{run}.log'))
-        with open(os.path.join(rob, 'results.json')) as f:
-            r = json.load(f)
-        m.update(corruption_n=args.corruption_n, corruption_acc=r['mean_acc'], corruption_gap=r['gap'],
-                 corruption_note=r['note'])  # gap: clean accuracy on the same images minus corruption_acc
-    write_json(path, m)
-    print(f"  {run}: lambda_max {m['lambda_max']:.4g} | train error {m['train_error']:.2f}% | test acc "
-          f"{m['test_acc']:.2f}%", flush=True)
-    return m
+            with open(os.path.join(rob, 'results.json')) as f:
+                r = json.load(f)
+            m.update(corruption_n=args.corruption_n, corruption_acc=r['mean_acc'], corruption_gap=r['gap'],
+                     corruption_note=r['note'])  # gap: clean accuracy on the same images minus corruption_acc
+        write_json(path, m)
+        print(f"  {run}: lambda_max {m['lambda_max']:.4g} | train error {m['train_error']:.2f}% | test acc "
+              f"{m['test_acc']:.2f}%", flush=True)
+        return m
 
 
 def table1(args, proc):
