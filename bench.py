@@ -34,8 +34,8 @@ import convmixer
 import mixer
 import vit
 from data import MEAN, STD
-from sam import SAM, first_pass, second_pass
 from runs import save_atomic
+from sam import SAM, first_pass, second_pass
 from utils import UserError
 
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full

@@ -27,11 +27,11 @@ from torch.nn.utils import parameters_to_vector
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 import convmixer
+import data
+import figures
 import mixer
 import vit
-import figures
 from augment import normalize
-import data
 from data import MEAN, STD, balanced_subset, evaluate, load_cifar
 from models import build_model, load_model, load_weights, parse_model_kw, zero_head
 from runs import prepare_out, save_atomic

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 import augment
 from models import build_model
-from sam import SAM, first_pass, second_pass
 from runs import save_atomic
+from sam import SAM, first_pass, second_pass
 from utils import UserError
 HERE = Path(__file__).resolve().parent
 PARTS = ('versions', 'cifar', 'syncs', 'augment', 'memory', 'bench', 'smoke')

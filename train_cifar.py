@@ -28,8 +28,8 @@ from augment import make_augment
 from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
 from models import build_model, load_weights, parse_model_kw, zero_head
 from pgd import pgd
-from sam import SAM, first_pass, second_pass
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
+from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group, leave,
                    rank_zero_first, setup, since_checkpoint, wrap_ddp)
 

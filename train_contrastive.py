@@ -49,8 +49,8 @@ import augment
 import vit
 from data import MEAN, NUM_CLASSES, STD, load_cifar
 from models import build_model, load_weights, parse_model_kw
-from sam import SAM, first_pass, second_pass
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic
+from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group,
                    leave, one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
 

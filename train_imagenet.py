@@ -30,8 +30,8 @@ from torchvision.transforms import v2
 from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform, on_device
 from models import build_model, load_weights, parse_model_kw
-from sam import SAM, first_pass, second_pass
 from runs import discard_new_dirs, prepare_out, read_checkpoint, save_atomic, written_by
+from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
                    one_line, score, setup, since_checkpoint, wrap_ddp)
 
