@@ -1,6 +1,6 @@
 """gpu_check.py: every CUDA path of the repo in one command, on one GPU, each figure written as JSON beside its log.
 
-    python gpu_check.py --data DIR --out DIR              # one GPU: about 8 minutes on an H200
+    python gpu_check.py --data DIR --out DIR              # one GPU: sized for ~8 minutes on an H200 (untimed)
     python gpu_check.py --data DIR --out DIR --dry-run    # any machine: every part shrunk to seconds (the suite)
 
 DIR is the CIFAR-10 data train_cifar.py takes. The parts, each OUT/<part>.json (+ OUT/<part>.log of the scripts

@@ -153,6 +153,34 @@ def test_every_row_is_timms_config_and_counts_their_flops():
             vit_train_gflops(D, 12, 16, 224), rel=1e-12)
 
 
+def sam_grad_by_hand(model, x, y, m, rho=0.05):
+    """SAM's gradient written out (Foret et al. Alg. 1, with m-sharpness, Sec. 4.1): per group of m images,
+    eps_j = rho g_j / ||g_j|| from that group's own gradient at w, g_sam_j at w + eps_j; -> the mean of the g_sam_j,
+    with w back where it was."""
+    params, g_sam = list(model.parameters()), None
+    for xg, yg in zip(x.split(m), y.split(m)):
+        model.zero_grad()
+        F.cross_entropy(model(xg), yg).backward()
+        with torch.no_grad():
+            norm = torch.cat([p.grad.flatten() for p in params]).norm()
+            eps = [rho * p.grad / norm for p in params]
+            for p, e in zip(params, eps):
+                p.add_(e)
+        model.zero_grad()
+        F.cross_entropy(model(xg), yg).backward()
+        with torch.no_grad():
+            for p, e in zip(params, eps):
+                p.sub_(e)
+        g = [p.grad / (len(x) // m) for p in params]
+        g_sam = g if g_sam is None else [a + b for a, b in zip(g_sam, g)]
+    return g_sam
+
+
+def rel(a, b):  # ||a - b|| / ||b|| over all parameters
+    a, b = torch.cat([u.flatten() for u in a]), torch.cat([v.flatten() for v in b])
+    return float((a - b).norm() / b.norm())
+
+
 def test_timed_sam_step_moves_like_a_reference_sam_step():
     """The SAM step bench times equals SAM written out here (Foret et al. Algorithm 1: eps_hat =
     rho g / ||g||, the gradient at w + eps_hat, then AdamW from w), BatchNorm statistics from the
@@ -162,24 +190,13 @@ def test_timed_sam_step_moves_like_a_reference_sam_step():
     ref = copy.deepcopy(module)
     w0 = [p.detach().clone() for p in module.parameters()]
     step()
-    F.cross_entropy(ref(x), y).backward()
-    clean_stats = copy.deepcopy(dict(ref.named_buffers()))
+    clean = copy.deepcopy(ref)
+    clean(x)  # one train-mode forward at w: the BatchNorm statistics of the clean pass
     params = list(ref.parameters())
-    with torch.no_grad():
-        g_norm = torch.cat([p.grad.flatten() for p in params]).norm()
-        eps = [0.05 * p.grad / g_norm for p in params]
-        for p, e in zip(params, eps):
-            p.add_(e)
-    ref.zero_grad()
-    F.cross_entropy(ref(x), y).backward()
-    with torch.no_grad():
-        for p, e in zip(params, eps):
-            p.sub_(e)
+    for p, g in zip(params, sam_grad_by_hand(ref, x, y, len(x))):
+        p.grad = g
     torch.optim.AdamW(params, lr=1e-4, weight_decay=0.05).step()
-
-    def rel(a, b):  # ||a - b|| / ||b|| over all parameters
-        return (torch.cat([u.flatten() for u in a]) - torch.cat([v.flatten() for v in b])).norm() / torch.cat(
-            [v.flatten() for v in b]).norm()
+    clean_stats = dict(clean.named_buffers())
     # AdamW's first moment after one step is (1 - beta1) x the gradient it was given: g at w + eps_hat
     assert rel([opt.state[p]['exp_avg'] / 0.1 for p in module.parameters()], [p.grad for p in params]) < 1e-4
     updates = [q.detach() - w for q, w in zip(params, w0)]
@@ -295,26 +312,7 @@ def test_timed_m_sharpness_step_is_the_group_loop_written_out():
     step, module, opt, x, y = bench.make_step('convmixer_256_8', 'ours', 8, 4, 'off', False, CPU, sam=True, m=2)
     ref = copy.deepcopy(module)
     step()
-    params, g_sam = list(ref.parameters()), None
-    for xg, yg in zip(x.split(2), y.split(2)):
-        ref.zero_grad()
-        F.cross_entropy(ref(xg), yg).backward()
-        with torch.no_grad():
-            norm = torch.cat([p.grad.flatten() for p in params]).norm()
-            eps = [0.05 * p.grad / norm for p in params]
-            for p, e in zip(params, eps):
-                p.add_(e)
-        ref.zero_grad()
-        F.cross_entropy(ref(xg), yg).backward()
-        with torch.no_grad():
-            for p, e in zip(params, eps):
-                p.sub_(e)
-        g = [p.grad / 2 for p in params]
-        g_sam = g if g_sam is None else [a + b for a, b in zip(g_sam, g)]
-
-    def rel(a, b):
-        a, b = torch.cat([u.flatten() for u in a]), torch.cat([v.flatten() for v in b])
-        return float((a - b).norm() / b.norm())
+    g_sam = sam_grad_by_hand(ref, x, y, 2)
     first_moment = [opt.state[p]['exp_avg'] / 0.1 for p in module.parameters()]  # (1 - beta1) x the gradient given
     assert rel(first_moment, g_sam) < 1e-4
     whole = bench.make_step('convmixer_256_8', 'ours', 8, 4, 'off', False, CPU, sam=True)
