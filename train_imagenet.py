@@ -192,7 +192,9 @@ def accumulate(model, micro, scaler, label_smoothing, amp_dtype, share=1.0):
     for j, (x, y) in enumerate(micro):  # y: class indices, or mixup/cutmix soft targets (B, classes)
         with no_sync() if no_sync is not None and j < len(micro) - 1 else contextlib.nullcontext():
             with torch.autocast(x.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(x).float(), y, label_smoothing=label_smoothing) / len(micro)
+                logits = model(x)  # under autocast bf16/fp16: the loss in fp32 (a float64 model keeps float64)
+                loss = F.cross_entropy(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, y,
+                                       label_smoothing=label_smoothing) / len(micro)
             scaler.scale(loss * share if share != 1.0 else loss).backward()
         total += loss.detach()
     return total

@@ -150,7 +150,9 @@ def test_ddp_equals_single_process(cifar10_dir, tmp_path):
     out, _ = finish(two)
     a, b = rows(tmp_path / 'one', 'train'), rows(tmp_path / 'two', 'train')
     assert len(a) == len(b) == 3 and a[0]['loss'] > 1
-    assert b[0]['loss'] == pytest.approx(a[0]['loss'], rel=1e-6)  # the first step: same views, weights
+    # the first step: same views and weights, so only the order of fp32 sums differs (gathered keys, the
+    # all-reduced loss): ~1e-7 relative, CPU-dependent; other views or weights would move it by > 1e-3
+    assert b[0]['loss'] == pytest.approx(a[0]['loss'], rel=1e-5)
     for x, y in zip(a, b):
         assert y['loss'] == pytest.approx(x['loss'], rel=1e-4)
     assert 'x 3 steps of 64 (2 x 32)' in out  # two ranks of 32 really ran

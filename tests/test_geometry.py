@@ -455,8 +455,9 @@ SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0'],  # through atten
 def test_torchrun_splits_the_images_and_equals_one_process(cifar10_dir, tmp_path, command, nproc, one_thread):
     """`torchrun --nproc_per_node N geometry.py CMD` (gloo, CPU) against `python geometry.py CMD` on the same 24
     images. Batch 4: each process's batches (12 or 8 images) are batches of the one-process run, so what differs
-    is the order of the sums: equal to 1e-6 relative, and n counts each image once. (With batches cut elsewhere
-    float32 rounding alone moves lambda_max by ~1e-6, as another --batch-size does in one process.)"""
+    is the order of the sums, which fp32 rounds apart by ~1e-7 relative (CPU-dependent: vector width, threads);
+    so 1e-5, while one image of 24 missed or counted twice moves every figure by percents, and n counts each image
+    once. (With batches cut elsewhere float32 rounding alone moves lambda_max by ~1e-6.)"""
     common = [command, '--data', str(cifar10_dir), '--images', '24', '--batch-size', '4', *SHARD_FLAGS[command]]
     G.main([*common, '--out', str(tmp_path / 'one')])
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': ''}
@@ -471,7 +472,7 @@ def test_torchrun_splits_the_images_and_equals_one_process(cifar10_dir, tmp_path
             'flatness': lambda d: [r['flatness'] for r in d['results']],
             'neurons': lambda d: list(d['active'].values())}
     got, want = (torch.tensor(read[command](d), dtype=torch.float64).flatten() for d in (many, one))
-    assert torch.allclose(got, want, rtol=1e-6, atol=0), (got - want) / want
+    assert torch.allclose(got, want, rtol=1e-5, atol=0), (got - want) / want
     assert len(set(want.tolist())) > 1 - (command == 'hessian')
     assert 'fp32, TF32 off' in r.stdout and one['precision'] == 'fp32, TF32 off'
 

@@ -163,7 +163,10 @@ def test_rho_zero_is_bit_identical_to_base(base, kw):
 
 
 # -----------------------------------------------------------------------------
-# 3. DDP m-sharpness: 2 processes, gloo on CPU, against a single-process simulation
+# 3. DDP m-sharpness: 2 processes, gloo on CPU, against a single-process simulation. In float64: in fp32 the gloo
+# sum and a single process's backward round differently, by ~1e-7 relative per step and more on another CPU (vector
+# width, thread count), too close to any tolerance that still tells a wrong perturbation apart. In float64 that
+# rounding is ~1e-16, so 1e-12 is far above the noise of any CPU and far below the differences under test.
 DDP_KW = dict(rho=0.2, lr=0.1, momentum=0.9)
 DDP_BATCH, DDP_MICRO = 8, 2  # global batch 8 = 2 ranks x 2 micro-batches x 2 samples
 DDP_STEPS, DDP_OVERFLOW_STEP = 4, 2  # at step 2 only rank 0's first-pass gradient overflows
@@ -174,7 +177,7 @@ def _ddp_worker(rank, world, port, out):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
                             world_size=world)
     try:
-        model = _mlp(0)
+        model = _mlp(0).to(F64)
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = SAM(ddp.parameters(), torch.optim.SGD, **DDP_KW)
         scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)  # fp32 compute, as with fp16
@@ -183,7 +186,7 @@ def _ddp_worker(rank, world, port, out):
         for step in range(DDP_STEPS):
             before.append(_params(model))
             x, y = _data(100 + step, DDP_BATCH)
-            xr, yr = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+            xr, yr = x[rank * per:(rank + 1) * per].to(F64), y[rank * per:(rank + 1) * per]
             micro = list(zip(xr.chunk(DDP_MICRO), yr.chunk(DDP_MICRO)))
             k = len(micro)
             with first_pass(ddp):  # the loop of the sam.py docstring, verbatim
@@ -222,12 +225,13 @@ def test_ddp_m_sharpness_matches_single_process(tmp_path):
 
     # Oracle: one process, plain autograd. Each sub-batch perturbs with its own gradient
     # (no all-reduce); the second-pass gradients of the sub-batches are averaged.
-    model = _mlp(0)
+    model = _mlp(0).to(F64)
     params = list(model.parameters())
     ref = torch.optim.SGD(params, lr=DDP_KW['lr'], momentum=DDP_KW['momentum'])
     per = DDP_BATCH // world
     for step in range(DDP_STEPS):
         x, y = _data(100 + step, DDP_BATCH)
+        x = x.to(F64)
         w = _params(model)
         if step == DDP_OVERFLOW_STEP:
             # rank 0 overflowed in its first pass: it did not move, rank 1 did, and BOTH skipped,
@@ -247,7 +251,8 @@ def test_ddp_m_sharpness_matches_single_process(tmp_path):
                 for p, gi in zip(params, g):
                     p.add_(DDP_KW['rho'] * gi / norm)
             for a, b in zip(res[r]['perturbed'][step], params):  # rank r's own eps
-                torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+                assert a.dtype == F64
+                torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-12)
             for gs, gi in zip(g_sam, _grads_at(model, params, xr, yr)):
                 gs += gi / world
             with torch.no_grad():
@@ -262,7 +267,7 @@ def test_ddp_m_sharpness_matches_single_process(tmp_path):
     for a, b in zip(res[0]['final'], res[1]['final']):
         assert torch.equal(a, b)  # replicas stay bit-identical
     for a, b in zip(res[0]['final'], params):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=1e-12)
     assert res[0]['scale'] == res[1]['scale'] == 2.0 ** 7  # one skipped step on both ranks
 
 
@@ -432,16 +437,18 @@ def test_second_pass_freezes_batchnorm_statistics():
 # -----------------------------------------------------------------------------
 # 6. gradient accumulation == one pass over the concatenated batch
 def test_accumulation_equals_big_batch():
-    m_acc, m_big = _mlp(0), _mlp(0)
+    """In float64: k micro-batches sum in another order than one batch (fp32 noise ~1e-7, CPU-dependent)."""
+    m_acc, m_big = _mlp(0).to(F64), _mlp(0).to(F64)
     kw = dict(rho=0.2, lr=0.1, momentum=0.9)
     o_acc = SAM(m_acc.parameters(), torch.optim.SGD, **kw)
     o_big = SAM(m_big.parameters(), torch.optim.SGD, **kw)
     for step in range(3):
         x, y = _data(step, 24)
+        x = x.to(F64)
         _sam_step(m_acc, o_acc, list(zip(x.chunk(4), y.chunk(4))))  # k = 4 micro-batches
         _sam_step(m_big, o_big, [(x, y)])
     for a, b in zip(m_acc.parameters(), m_big.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 # -----------------------------------------------------------------------------
@@ -698,7 +705,10 @@ def test_m_sharpness_one_process_equals_ddp_ranks(tmp_path):
     res = [torch.load(tmp_path / f'rank{r}.pt') for r in range(world)]
     for i, (name, dtype, g) in enumerate(M_CONFIGS):
         single = _m_single_process(name, dtype, world * g)
-        tol = 1e-6 if dtype == torch.float32 else 1e-12
+        # fp64 is the exact check (rounding ~1e-16). fp32 only shows the fp32 path runs the same algorithm: the
+        # gloo sum and one process's backward round apart by ~1e-7 relative a step (1e-6 seen on one CPU after
+        # 3 steps, more possible on another), so 2e-5: still 50x below the m-sharpness difference (> 1e-3, below).
+        tol = 2e-5 if dtype == torch.float32 else 1e-12
         for a, b, c in zip(res[0][i]['final'], res[1][i]['final'], single):
             assert torch.equal(a, b)
             torch.testing.assert_close(a, c, rtol=0, atol=tol)
@@ -784,17 +794,18 @@ def test_one_group_is_the_plain_step_bit_for_bit(base, kw, micro):
 
 
 def test_m_sharpness_micro_batches_inside_groups():
-    """Accumulating each group over 3 micro-batches == each group in one pass (LayerNorm model)."""
+    """Accumulating each group over 3 micro-batches == each group in one pass (LayerNorm model), in float64
+    (another summation order: fp32 would round apart by a CPU-dependent ~1e-7)."""
     runs = []
     for micro in (1, 3):
-        m = _mlp(0)
+        m = _mlp(0).to(F64)
         opt = SAM(m.parameters(), torch.optim.SGD, **M_KW)
         for step in range(2):
             x, y = _data(step, 18)
-            _sam_group_step(m, opt, list(zip(x.split(9), y.split(9))), micro=micro)
+            _sam_group_step(m, opt, list(zip(x.to(F64).split(9), y.split(9))), micro=micro)
         runs.append(_params(m))
     for a, b in zip(*runs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize('bad', [0, 1, 2])

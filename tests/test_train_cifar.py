@@ -220,9 +220,12 @@ def in_tolerances(got, want, rtol, atol):
                for k, v in want.items() if v.is_floating_point())
 
 
-# The 2-process run is compared with the simulation at 1/100 of the tolerance once used (1e-4, 2e-5): the correct code
-# measured 0.0015 x (1e-4, 2e-5) here, and the all-reduced eps-hat reading 2 x (so 200 x these).
-RTOL, ATOL = 1e-6, 2e-7
+# Sized to fp32 arithmetic, not to one machine: the 2 processes sum the gradient through gloo and the simulation
+# through one backward, and 6 AdamW steps carry that rounding (~1e-7 relative a step) into the weights: the correct
+# code measured 0.0015 x (1e-4, 2e-5) on one CPU; another CPU (vector width, threads) rounds differently, so a
+# tolerance must sit well above that. The all-reduced eps-hat reading misses by 2 x (1e-4, 2e-5), i.e. 20 x
+# (1e-5, 2e-6): these tolerances leave ~100 x headroom for rounding and still tell the two readings apart by 20 x.
+RTOL, ATOL = 1e-5, 2e-6
 
 
 def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
@@ -240,7 +243,7 @@ def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
     assert all(torch.equal(ckpt['model'][k], v) for k, v in want.items() if not v.is_floating_point())
     err, control = in_tolerances(ckpt['model'], want, RTOL, ATOL), in_tolerances(averaged, want, RTOL, ATOL)
     print(f'2-process run vs simulation: {err:.3g} x the tolerance; the all-reduced eps-hat reading: {control:.3g} x')
-    assert control > 50  # the two readings of SAM under DDP differ by far more than the tolerance here
+    assert control > 5  # the two readings of SAM under DDP differ by far more than the tolerance here
     assert err <= 1, f'{err:.3g} x the tolerance (rtol {RTOL}, atol {ATOL}) from the per-replica eps-hat simulation'
 
     # exact evaluation: the 2-process run's (shards 500 + 501), a 3-process --eval-only's (shards of 333-334;
