@@ -148,12 +148,17 @@ def all_reduce(tensors, world):
     return [tuple(row) for row in t.long().tolist()]
 
 
-def array_batches(images, labels, lo, hi, batch_size):
-    """Rows lo..hi of (N, H, W, 3) uint8 images (the CIFAR-10-C layout, memmaps too) -> (x (B, 3, H, W), y, index)."""
+def array_batches(images, labels, lo, hi, batch_size, device=None):
+    """Rows lo..hi of (N, H, W, 3) uint8 images (the CIFAR-10-C layout, memmaps too) -> (x (B, 3, H, W), y, index).
+    device: rows lo..hi moved there first, in one copy (a CIFAR-10-C cell of a rank: 30 MB / world), not per batch."""
+    if device is not None:
+        images, labels, lo, hi = (torch.from_numpy(np.array(images[lo:hi])).to(device),
+                                  torch.as_tensor(labels[lo:hi]).to(device), 0, hi - lo)
     for s in range(lo, hi, batch_size):
         e = min(s + batch_size, hi)
-        yield (torch.from_numpy(np.array(images[s:e])).permute(0, 3, 1, 2), torch.as_tensor(np.asarray(labels[s:e])),
-               torch.arange(s, e))
+        x, y = (images[s:e], labels[s:e]) if device is not None else (torch.from_numpy(np.array(images[s:e])),
+                                                                      torch.as_tensor(np.asarray(labels[s:e])))
+        yield x.permute(0, 3, 1, 2), y, torch.arange(s, e)
 
 
 @torch.no_grad()
@@ -242,7 +247,7 @@ def use_cache(cache_dir, meta, labels, corruptions):
         disk = os.path.dirname(os.path.abspath(disk))
     if need > (free := shutil.disk_usage(disk).free):
         raise UserError(f'--cache {cache_dir}: {len(make)} corruptions x {want[0]:,} images of {want[1]}x{want[2]} px '
-                        f'need {need / 1e9:.1f} GB, its disk has {free / 1e9:.1f} GB free; free some, pick another '
+                        f'need {need / 1e9:.3g} GB, its disk has {free / 1e9:.3g} GB free; free some, pick another '
                         f'--cache or fewer --corruptions')
     if old is None:
         try:
@@ -456,22 +461,24 @@ def uniform_start(seed, idx, shape):
     return ((mix32(j ^ key) >> 8).float() * 2.0 ** -24).view(len(idx), *shape)
 
 
-def attack_counts(model, batches, mean, std, kind, eps, alpha, steps, seed):
-    """batches of (uint8 x, labels, indices) -> [clean correct, robust correct, n] on this process, in fp32.
+def attack_counts(model, batches, mean, std, kind, eps, alpha, steps, seed, amp=False):
+    """batches of (uint8 x, labels, indices) -> [clean correct, robust correct, n] on this process; amp: every forward
+    (the attack's too) under the bf16 autocast of the clean evaluation, so that both see one model.
     Each image's PGD random start U(-eps, eps) is uniform_start's, keyed by (seed, index). No host sync."""
     pixels = lambda v: normalize(v * 255, mean, std)  # noqa: E731  attacked on [0, 1] pixels: eps is /255
     k = torch.zeros(3, dtype=torch.float64, device=mean.device)
     for x_u8, y, idx in batches:
         x_u8, y = (t.to(mean.device, non_blocking=True) for t in (x_u8, y))
         x = x_u8.float() / 255
-        if kind == 'fgsm':
-            x_adv = fgsm(model, x, y, eps, normalize=pixels)
-        else:
-            start = (uniform_start(seed, idx.to(mean.device, non_blocking=True), x.shape[1:]) * 2 - 1) * eps
-            x_adv = pgd(model, x, y, eps, alpha, steps, random_start=start, normalize=pixels)
-        with torch.no_grad():
-            k[:2] += torch.stack([(predict(model, x_u8, mean, std) == y).sum(),
-                                  (model(pixels(x_adv)).argmax(1) == y).sum()])
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=amp):  # (pgd sums the loss: no bf16 underflow)
+            if kind == 'fgsm':
+                x_adv = fgsm(model, x, y, eps, normalize=pixels)
+            else:
+                start = (uniform_start(seed, idx.to(mean.device, non_blocking=True), x.shape[1:]) * 2 - 1) * eps
+                x_adv = pgd(model, x, y, eps, alpha, steps, random_start=start, normalize=pixels)
+        with torch.no_grad(), torch.autocast(x.device.type, torch.bfloat16, enabled=amp):
+            k[:2] += torch.stack([(predict(model, x_u8, mean, std, amp) == y).sum(),
+                                  (model(pixels(x_adv)).float().argmax(1) == y).sum()])
             k[2] += len(y)
     return k
 
@@ -636,10 +643,10 @@ def run(args, stored, dataset, clean_root, classes, samples):
         arrays, labels = read_cifar10c(args.data, args.corruptions, 10)
         n = len(labels) // len(SEVERITIES)
         lo, hi = rank_slice(n, rank, world)
-        k = [count(model, array_batches(arrays[c], labels, (s - 1) * n + lo, (s - 1) * n + hi, batch), mean, std, amp)
-             for c, s in cells]
+        k = [count(model, array_batches(arrays[c], labels, (s - 1) * n + lo, (s - 1) * n + hi, batch, device), mean,
+                   std, amp) for c, s in cells]
         k = all_reduce(k + [count(model, array_batches(clean_hwc, y_clean, *rank_slice(len(y_clean), rank, world),
-                                                       batch), mean, std, amp)], world)
+                                                       batch, device), mean, std, amp)], world)
         r.update(summarize(dict(zip(cells, k)), k[-1]))
     elif args.benchmark in ('imagenet-c', 'imagenet-r'):
         if args.benchmark == 'imagenet-c':
@@ -671,15 +678,16 @@ def run(args, stored, dataset, clean_root, classes, samples):
                                      batch, workers=args.workers, rank=rank, world=world, amp=amp, progress=rank == 0))
     if args.attack:  # on the clean set
         batches = (folder_batches(samples, transform, batch, args.workers, rank, world) if dataset == 'imagenet' else
-                   array_batches(clean_hwc, y_clean, *rank_slice(len(y_clean), rank, world), batch))
+                   array_batches(clean_hwc, y_clean, *rank_slice(len(y_clean), rank, world), batch, device))
         k = all_reduce([attack_counts(model, batches, mean, std, args.attack, args.eps / 255, args.alpha / 255,
-                                      args.steps, args.seed)], world)[0]
+                                      args.steps, args.seed, amp)], world)[0]
         steps, alpha = (args.steps, args.alpha) if args.attack == 'pgd' else (1, args.eps)
         r['attack'] = dict(name=f'PGD-{steps} eps {args.eps:g}/255 alpha {alpha:g}/255' if args.attack == 'pgd'
                            else f'FGSM eps {args.eps:g}/255', kind=args.attack, eps=args.eps, alpha=alpha, steps=steps,
-                           clean_correct=k[0], robust_correct=k[1], n=k[2], clean_acc=100 * k[0] / k[2],
-                           robust_acc=100 * k[1] / k[2])
-        r.setdefault('clean', pct(k[0], k[2]))
+                           robust_correct=k[1], n=k[2], robust_acc=100 * k[1] / k[2])
+        # one clean accuracy per model: the benchmark's where it ran (the same images under the same autocast)
+        clean = r.setdefault('clean', pct(k[0], k[2]))
+        r['attack'].update(clean_correct=clean['correct'], clean_acc=clean['acc'])
     r['wall_s'] = time.time() - t_start
     if rank == 0:
         print(table(r))
