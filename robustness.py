@@ -237,7 +237,7 @@ def use_cache(cache_dir, meta, labels, corruptions):
                         f'{meta["package"]}: refused, its images could differ; delete it or pick another --cache')
     cached, want = set(), (len(SEVERITIES) * meta['n'], *meta['image_shape'])
     for c in corruptions:
-        if old is not None and os.path.isfile(path := os.path.join(cache_dir, f'{c}.npy')):
+        if os.path.isfile(path := os.path.join(cache_dir, f'{c}.npy')):
             if (a := np.load(path, mmap_mode='r')).dtype != np.uint8 or a.shape != want:
                 raise UserError(f'{path} is {a.dtype} {a.shape}, not the uint8 {want} of its meta.json; delete it')
             cached.add(c)
@@ -276,8 +276,8 @@ class Corrupted(torch.utils.data.Dataset):
         c, j = self.corruptions[k // self.m], self.lo + k % self.m
         x, y, _ = self.clean[j]
         image = x.permute(1, 2, 0).numpy()[None]  # (1, H, W, 3)
-        return torch.from_numpy(np.concatenate([corrupt_chunk((image, j, c, s, self.seed)) for s in self.severities])), \
-            y, j
+        return torch.from_numpy(np.concatenate([corrupt_chunk((image, j, c, s, self.seed))
+                                                for s in self.severities])), y, j
 
 
 def deaf(_):  # a loader worker ignores Ctrl-C: the main process stops it, no traceback from each
@@ -331,9 +331,10 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
     if rank == 0:
         digests, y_all = zip(*[d for part in everyone for d in part]) if n else ((), ())
         y_all = np.asarray(y_all, np.int64)
-        if (y_all < 0).any():
-            error = f'cannot decode image {int(np.argmax(y_all < 0))} of the clean set (corrupt or truncated)'
-        elif cache_dir:  # rank 0 alone looks and writes (another rank could see a half-made folder); all get its verdict
+        if (y_all < 0).any():  # (data.Samples' mark; folder_batches says the same)
+            bad = int(np.argmax(y_all < 0))
+            error = f'cannot decode {clean.samples[bad][0]} (corrupt or truncated); replace or delete it'
+        elif cache_dir:  # rank 0 alone looks and makes (another rank could see a half-made folder); all get the verdict
             meta = {'made_by': CACHE_MARK, 'seed': seed, 'n': n, 'image_shape': list(shape), 'package': version,
                     'sha256': hashlib.sha256(b''.join(digests) + y_all.tobytes()).hexdigest()}
             try:
@@ -347,11 +348,13 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
         raise UserError(error)
     y_rank, m, t0 = np.array([b for _, b in seen], np.int64), hi - lo, time.time()
     make = [c for c in corruptions if c not in cached]  # one loader for them all: its workers start once
-    chunks = [range(i * m + j, i * m + min(j + batch_size, m)) for i in range(len(make)) for j in range(0, m, batch_size)]
+    chunks = [range(i * m + j, i * m + min(j + batch_size, m))  # batches of one corruption each
+              for i in range(len(make)) for j in range(0, m, batch_size)]
     # one batch in flight per worker: a batch takes a worker seconds to corrupt, and holds S x B images (pinned)
     batches = iter(loader(Corrupted(clean, make, made, seed, lo, hi), workers, batch_sampler=chunks,
                           **dict(prefetch_factor=1) if workers else {}) if chunks else [])
-    k = {cell: torch.zeros(2, dtype=torch.float64, device=device) for cell in itertools.product(corruptions, severities)}
+    cells = list(itertools.product(corruptions, severities))
+    k = {cell: torch.zeros(2, dtype=torch.float64, device=device) for cell in cells}
     try:
         for i, c in enumerate(corruptions):
             if c in cached:
@@ -384,8 +387,8 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
         for c in make if cache_dir and rank == 0 else []:
             if os.path.exists(tmp := os.path.join(cache_dir, f'{c}.npy.tmp')):
                 os.remove(tmp)
-    counts = all_reduce([k[cell] for cell in itertools.product(corruptions, severities)] + [clean_k], world)
-    r = summarize(dict(zip(itertools.product(corruptions, severities), counts)), counts[-1])
+    counts = all_reduce([k[cell] for cell in cells] + [clean_k], world)
+    r = summarize(dict(zip(cells, counts)), counts[-1])
     which = 'CIFAR-10-C' if shape[0] == 32 else 'ImageNet-C (corrupted at 224 px, saved as JPEG)'
     r['note'] = NOTE.format(v=version, h=shape[0], w=shape[1], seed=seed, which=which)
     return r
