@@ -550,6 +550,11 @@ def test_counting_and_attack_loops_make_no_host_sync():
         assert not bad, bad
     assert [t.tolist() for t in counts[3]] == [t.tolist() for t in counts[10]]  # the batch changes nothing
     assert counts[3][0][1] == 10 and counts[3][1][2] == 10
+    # CIFAR-10-C: a rank's rows of a cell go to the device in one copy, and its batches are views of that copy
+    got = list(rb.array_batches(images, np.arange(10) % 10, 2, 9, 3, torch.device('cpu')))
+    assert len({x.untyped_storage().data_ptr() for x, _, _ in got}) == 1 and [len(y) for _, y, _ in got] == [3, 3, 1]
+    assert torch.equal(torch.cat([x for x, _, _ in got]), torch.from_numpy(images[2:9]).permute(0, 3, 1, 2))
+    assert torch.cat([y for _, y, _ in got]).tolist() == list(range(2, 9))
 
 
 def test_rank_1_writes_only_its_rows_into_rank_0_s_memmap_and_sends_no_images(tmp_path, monkeypatch):
