@@ -291,13 +291,6 @@ def loader(dataset, workers, **kw):
                                        **kw)
 
 
-def identified(batches, seen):
-    """batches, passed on; each image's sha256 and label appended to seen (the cache's identity of the clean set)."""
-    for x, y, i in batches:
-        seen += [(hashlib.sha256(a.numpy().tobytes()).digest(), int(b)) for a, b in zip(x, y)]
-        yield x, y, i
-
-
 def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPTIONS, severities=SEVERITIES,
                         seed=0, cache_dir=None, batch_size=256, *, workers=0, rank=0, world=1, amp=False,
                         progress=False):
@@ -321,9 +314,11 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
     shape = (*first.shape[1:], 3)  # (H, W, 3): the package's and C layout
     n, (lo, hi) = len(clean), rank_slice(len(clean), rank, world)
     made = SEVERITIES if cache_dir else severities  # a cached file holds all five
-    seen = []  # the clean pass: this rank's slice, decoded once more by the loader (ImageNet: 1/world of it)
-    clean_k = count(model, identified(loader(torch.utils.data.Subset(clean, range(lo, hi)), 0 if tensors else workers,
-                                             batch_size=batch_size), seen), mean, std, amp)
+    seen, clean_k = [], torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y, j in loader(torch.utils.data.Subset(clean, range(lo, hi)), 0 if tensors else workers,
+                          batch_size=batch_size):  # this rank's clean images (ImageNet: decoded in the workers), noting
+        seen += [(hashlib.sha256(a.numpy().tobytes()).digest(), int(b)) for a, b in zip(x, y)]  # the cache's identity
+        clean_k += count(model, [(x, y, j)], mean, std, amp)  # of the set: each image's sha256 and label
     everyone = [seen] * world  # rank 0 gets every rank's digests and labels (bytes, not images)
     if world > 1:
         dist.gather_object(seen, everyone if rank == 0 else None, dst=0)
