@@ -229,6 +229,9 @@ def use_cache(cache_dir, meta, labels, corruptions):
     an empty PATH.npy.tmp (a sparse np.lib.format.open_memmap) per corruption to add, which every rank then fills
     with its rows. -> the corruptions it holds."""
     old = open_cache(cache_dir)
+    if old is not None and old.get('sha256_of') != meta['sha256_of']:  # (before 2026-12-03: of the whole array)
+        raise UserError(f'--cache {cache_dir} was made by an older robustness.py, which identified the images '
+                        'otherwise; delete it or pick another --cache')
     if old is not None and any(old.get(k) != meta[k] for k in ('seed', 'n', 'image_shape', 'sha256')):
         raise UserError(f'--cache {cache_dir} holds a corrupted set of other images or another seed '
                         f'(seed {old.get("seed")}, {old.get("n")} images); pick another --cache')
@@ -331,7 +334,8 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
             error = f'cannot decode {clean.samples[bad][0]} (corrupt or truncated); replace or delete it'
         elif cache_dir:  # rank 0 alone looks and makes (another rank could see a half-made folder); all get the verdict
             meta = {'made_by': CACHE_MARK, 'seed': seed, 'n': n, 'image_shape': list(shape), 'package': version,
-                    'sha256': hashlib.sha256(b''.join(digests) + y_all.tobytes()).hexdigest()}
+                    'sha256': hashlib.sha256(b''.join(digests) + y_all.tobytes()).hexdigest(),
+                    'sha256_of': 'the per-image sha256 digests, then the int64 labels'}
             try:
                 cached = use_cache(cache_dir, meta, y_all, corruptions)
             except UserError as e:

@@ -437,6 +437,9 @@ def test_cache_of_another_imagecorruptions_version_or_shape_is_refused(trained, 
                                            'refused, its images could differ'):
         rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(cache))
     assert snapshot(cache) == before
+    (cache / 'meta.json').write_text(json.dumps({k: v for k, v in meta.items() if k != 'sha256_of'}))
+    with pytest.raises(rb.UserError, match='was made by an older robustness.py, which identified the images otherwise'):
+        rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(cache))
     (cache / 'meta.json').write_text(json.dumps(meta))
     np.save(cache / 'contrast.npy', np.zeros((5 * 4, 16, 16, 3), np.uint8))
     with pytest.raises(rb.UserError, match=r'contrast.npy is uint8 \(20, 16, 16, 3\), not the uint8 \(20, 32, 32, 3\)'):
