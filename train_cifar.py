@@ -260,7 +260,8 @@ def main(argv=None):
     norm = ((0.5,) * 3,) * 2 if args.recipe == 'finetune' else (MEAN[args.dataset], STD[args.dataset])  # (x-m)/s
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in norm)
     eval_model = torch.compile(raw) if args.compile else raw  # not DDP: the ranks see different counts
-    scorer = StaticEval(eval_model, args.eval_batch_size, torch.channels_last if args.channels_last else
+    mine = len(test_y) * (rank + 1) // world - len(test_y) * rank // world  # this rank's test images (evaluate's)
+    scorer = StaticEval(eval_model, min(args.eval_batch_size, mine), torch.channels_last if args.channels_last else
                         torch.contiguous_format) if args.compile else eval_model
     test = (test_x, test_y, mean, std, args.eval_batch_size, rank, world, autocast, args.channels_last, args.img_size)
     if args.eval_only:
