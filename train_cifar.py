@@ -259,7 +259,9 @@ def main(argv=None):
     train_x, train_y, test_x, test_y = load_data(args, proc)
     norm = ((0.5,) * 3,) * 2 if args.recipe == 'finetune' else (MEAN[args.dataset], STD[args.dataset])  # (x-m)/s
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in norm)
-    eval_model = torch.compile(raw) if args.compile else raw  # not DDP: the ranks see different counts
+    # not DDP: the ranks see different counts. Static (dynamic=False): an eval batch unlike the training batch would
+    # else make dynamo recompile the forward for any batch size (automatic dynamic shapes); StaticEval pads the tail
+    eval_model = torch.compile(raw, dynamic=False) if args.compile else raw
     mine = len(test_y) * (rank + 1) // world - len(test_y) * rank // world  # this rank's test images (evaluate's)
     scorer = StaticEval(eval_model, min(args.eval_batch_size, mine), torch.channels_last if args.channels_last else
                         torch.contiguous_format) if args.compile else eval_model
