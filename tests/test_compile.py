@@ -53,11 +53,11 @@ def train(cifar10_dir, out, *extra):
 def test_compile_trains_as_eager_and_compiles_one_graph_per_pass(cifar10_dir, tmp_path, graphs):
     """--compile --sam: the weights after 8 SAM steps equal eager's to 1e-5 relative, the two evaluations count the
     same correct images (fp32. With aot_eager every weight and eval loss came out bit-identical here, the same aten
-    kernels in the same order; the tolerance leaves room for inductor's fused, reordered sums). Graphs: the first pass (BatchNorm updating its statistics), the second pass (not updating
-    them: sam.second_pass), the evaluation; with --adv pgd the attack's (eval mode, with a gradient) besides; each
-    static. The evaluation's graph used to be dynamic (its batch, 32, differs from training's, 16; with equal
-    batches the tail of 8 added a fourth graph): the eval model is compiled with dynamic=False and
-    train_cifar.StaticEval pads the tail to the eval batch."""
+    kernels in the same order; the tolerance leaves room for inductor's fused, reordered sums). Graphs, each static:
+    the first pass (BatchNorm updating its statistics), the second pass (not updating them: sam.second_pass), the
+    evaluation; with --adv pgd the attack's (eval mode, with a gradient) besides. Before the eval model was compiled
+    with dynamic=False and train_cifar.StaticEval padded the tail (8 of 32) to the eval batch, the tail added a
+    dynamic graph (4 and 5)."""
     eager_w, eager_eval = train(cifar10_dir, tmp_path / 'eager')
     comp_w, comp_eval = train(cifar10_dir, tmp_path / 'compiled', '--compile')
     assert len(graphs) == 3 and all(map(static, graphs))
