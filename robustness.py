@@ -15,16 +15,16 @@ Preprocessing is the checkpoint's: CIFAR models their data set's mean/std at 32 
 its --classes only); ImageNet models data.eval_transform with their recipe's size, crop_pct, interpolation, norm.
 """
 import argparse
-import concurrent.futures
 import csv
 import hashlib
 import importlib.metadata
 import io
+import itertools
 import json
 import math
-import multiprocessing
 import os
 import pkgutil
+import shutil
 import signal
 import sys
 import tempfile
@@ -33,11 +33,11 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
 import figures
 from augment import normalize
-from data import MEAN, MEANS, STD, eval_transform, folder_batches, folder_samples, load_cifar
+from data import MEAN, MEANS, STD, Samples, eval_transform, folder_batches, folder_samples, load_cifar
 from models import load_model, zero_head
 from pgd import fgsm, pgd
 from runs import save_atomic, stored_args
@@ -148,12 +148,17 @@ def all_reduce(tensors, world):
     return [tuple(row) for row in t.long().tolist()]
 
 
-def array_batches(images, labels, lo, hi, batch_size):
-    """Rows lo..hi of (N, H, W, 3) uint8 images (the CIFAR-10-C layout, memmaps too) -> (x (B, 3, H, W), y, index)."""
+def array_batches(images, labels, lo, hi, batch_size, device=None):
+    """Rows lo..hi of (N, H, W, 3) uint8 images (the CIFAR-10-C layout, memmaps too) -> (x (B, 3, H, W), y, index).
+    device: rows lo..hi moved there first, in one copy (a CIFAR-10-C cell of a rank: 30 MB / world), not per batch."""
+    if device is not None:
+        images, labels, lo, hi = (torch.from_numpy(np.array(images[lo:hi])).to(device),
+                                  torch.as_tensor(labels[lo:hi]).to(device), 0, hi - lo)
     for s in range(lo, hi, batch_size):
         e = min(s + batch_size, hi)
-        yield (torch.from_numpy(np.array(images[s:e])).permute(0, 3, 1, 2), torch.as_tensor(np.asarray(labels[s:e])),
-               torch.arange(s, e))
+        x, y = (images[s:e], labels[s:e]) if device is not None else (torch.from_numpy(np.array(images[s:e])),
+                                                                      torch.as_tensor(np.asarray(labels[s:e])))
+        yield x.permute(0, 3, 1, 2), y, torch.arange(s, e)
 
 
 @torch.no_grad()
@@ -220,19 +225,17 @@ def open_cache(cache_dir):
 
 def use_cache(cache_dir, meta, labels, corruptions):
     """Rank 0: make the cache (meta.json first, marking the folder as ours) or check it holds this set, made by this
-    imagecorruptions version (refused otherwise: its images could differ). -> the corruptions it holds."""
+    imagecorruptions version (refused otherwise: its images could differ); refuse what would not fit its disk; make
+    an empty PATH.npy.tmp (a sparse np.lib.format.open_memmap) per corruption to add, which every rank then fills
+    with its rows. -> the corruptions it holds."""
     old = open_cache(cache_dir)
-    if old is None:
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-        except OSError as e:
-            raise UserError(f'--cache {cache_dir}: {e.strerror or e}')
-        save_atomic(os.path.join(cache_dir, 'meta.json'), meta)  # first: from now on the folder is marked ours
-        save_atomic(os.path.join(cache_dir, 'labels.npy'), lambda f: np.save(f, np.tile(labels, len(SEVERITIES))))
-    elif any(old.get(k) != meta[k] for k in ('seed', 'n', 'image_shape', 'sha256')):
+    if old is not None and old.get('sha256_of') != meta['sha256_of']:  # (before 2026-12-03: of the whole array)
+        raise UserError(f'--cache {cache_dir} was made by an older robustness.py, which identified the images '
+                        'otherwise; delete it or pick another --cache')
+    if old is not None and any(old.get(k) != meta[k] for k in ('seed', 'n', 'image_shape', 'sha256')):
         raise UserError(f'--cache {cache_dir} holds a corrupted set of other images or another seed '
                         f'(seed {old.get("seed")}, {old.get("n")} images); pick another --cache')
-    elif old.get('package') != meta['package']:
+    if old is not None and old.get('package') != meta['package']:
         raise UserError(f'--cache {cache_dir} was made by imagecorruptions-imaug {old.get("package")}, this is '
                         f'{meta["package"]}: refused, its images could differ; delete it or pick another --cache')
     cached, want = set(), (len(SEVERITIES) * meta['n'], *meta['image_shape'])
@@ -241,76 +244,152 @@ def use_cache(cache_dir, meta, labels, corruptions):
             if (a := np.load(path, mmap_mode='r')).dtype != np.uint8 or a.shape != want:
                 raise UserError(f'{path} is {a.dtype} {a.shape}, not the uint8 {want} of its meta.json; delete it')
             cached.add(c)
-    return cached
+    make = [c for c in corruptions if c not in cached]
+    need, disk = len(make) * math.prod(want), cache_dir  # uint8 at the evaluated size: README's table
+    while not os.path.exists(disk):
+        disk = os.path.dirname(os.path.abspath(disk))
+    if need > (free := shutil.disk_usage(disk).free):
+        raise UserError(f'--cache {cache_dir}: {len(make)} corruptions x {want[0]:,} images of {want[1]}x{want[2]} px '
+                        f'need {need / 1e9:.3g} GB, its disk has {free / 1e9:.3g} GB free; free some, pick another '
+                        f'--cache or fewer --corruptions')
+    if old is None:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            raise UserError(f'--cache {cache_dir}: {e.strerror or e}')
+        save_atomic(os.path.join(cache_dir, 'meta.json'), meta)  # first: from now on the folder is marked ours
+        save_atomic(os.path.join(cache_dir, 'labels.npy'), lambda f: np.save(f, np.tile(labels, len(SEVERITIES))))
+    for c in make:  # written row by row by the ranks, renamed by rank 0 once all have written (a sparse file: the
+        np.lib.format.open_memmap(os.path.join(cache_dir, f'{c}.npy.tmp'), 'w+', np.uint8, want)  # disk fills as
+    return cached                                                                               # rows arrive)
+
+
+class Corrupted(torch.utils.data.Dataset):
+    """Item k: image lo + k % (hi - lo) of `clean` corrupted by corruptions[k // (hi - lo)] at each of `severities`
+    -> (uint8 (S, H, W, 3), label, index). In a loader's worker: the image is decoded (or read) there too."""
+
+    def __init__(self, clean, corruptions, severities, seed, lo, hi):
+        self.clean, self.corruptions, self.severities, self.seed, self.lo, self.m = (clean, corruptions, severities,
+                                                                                     seed, lo, hi - lo)
+
+    def __len__(self):
+        return len(self.corruptions) * self.m
+
+    def __getitem__(self, k):
+        c, j = self.corruptions[k // self.m], self.lo + k % self.m
+        x, y, _ = self.clean[j]
+        image = x.permute(1, 2, 0).numpy()[None]  # (1, H, W, 3)
+        return torch.from_numpy(np.concatenate([corrupt_chunk((image, j, c, s, self.seed))
+                                                for s in self.severities])), y, j
+
+
+def deaf(_):  # a loader worker ignores Ctrl-C: the main process stops it, no traceback from each
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def loader(dataset, workers, **kw):
+    """A DataLoader, its workers spawned, not forked (this process runs torch's threads)."""
+    return torch.utils.data.DataLoader(dataset, num_workers=workers, pin_memory=torch.cuda.is_available(),
+                                       **dict(multiprocessing_context='spawn', worker_init_fn=deaf) if workers else {},
+                                       **kw)
 
 
 def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPTIONS, severities=SEVERITIES,
                         seed=0, cache_dir=None, batch_size=256, *, workers=0, rank=0, world=1, amp=False,
                         progress=False):
     """Accuracy (%) of `model` on uint8 images (N, 3, H, W) of >= 32 px corrupted on the fly, and clean (mean, std:
-    the normalisation on [0, 1]). cache_dir: the corrupted set kept there (CIFAR-10-C layout, 5 severities; a folder
-    it made, or new or empty) for the next call; None: in memory. workers: corrupting processes. Under torchrun call
-    it on every rank: each its slice, rank 0 writes the cache. progress: a line per corruption. -> summarize() + note"""
+    the normalisation on [0, 1]); or images_u8 a Dataset of (uint8 (3, H, W), label (-1: undecodable), index), e.g.
+    data.Samples, and labels None. cache_dir: the corrupted set kept there (CIFAR-10-C layout, 5 severities; a
+    folder it made, or new or empty) for the next call; None: in memory. workers: loader processes that decode and
+    corrupt. Under torchrun call it on every rank: each decodes, corrupts and writes only its slice of rows into
+    the cache's memmaps (no images cross processes). progress: a line per corruption. -> summarize() + note"""
     version = corruption_package()
-    if len(labels) != len(images_u8) or images_u8.dtype != torch.uint8 or images_u8.ndim != 4 \
-            or min(images_u8.shape[2:]) < 32:
-        raise UserError(f'need uint8 images (N, 3, H, W) of at least 32 px and N labels; got {images_u8.dtype} '
-                        f'{tuple(images_u8.shape)} and {len(labels)} labels')
+    tensors = isinstance(images_u8, torch.Tensor)
+    if tensors and (len(labels) != len(images_u8) or images_u8.ndim != 4):
+        raise UserError(f'need uint8 images (N, 3, H, W) and N labels; got {tuple(images_u8.shape)} and {len(labels)}')
+    clean = torch.utils.data.TensorDataset(images_u8, torch.as_tensor(labels), torch.arange(len(labels))) \
+        if tensors else images_u8
+    first = clean[0][0]  # (3, H, W)
+    if first.dtype != torch.uint8 or first.ndim != 3 or min(first.shape[1:]) < 32:
+        raise UserError(f'need uint8 images (3, H, W) of at least 32 px; got {first.dtype} {tuple(first.shape)}')
     device = next(model.parameters()).device
     mean, std = (torch.tensor(v, dtype=torch.float32, device=device).view(1, 3, 1, 1) for v in (mean, std))
-    images = images_u8.permute(0, 2, 3, 1).contiguous().numpy()  # (N, H, W, 3): the package's and C layout
-    labels = np.asarray(labels, np.int64)
-    n, (lo, hi) = len(labels), rank_slice(len(labels), rank, world)
+    shape = (*first.shape[1:], 3)  # (H, W, 3): the package's and C layout
+    n, (lo, hi) = len(clean), rank_slice(len(clean), rank, world)
     made = SEVERITIES if cache_dir else severities  # a cached file holds all five
+    seen, clean_k = [], torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y, j in loader(torch.utils.data.Subset(clean, range(lo, hi)), 0 if tensors else workers,
+                          batch_size=batch_size):  # this rank's clean images (ImageNet: decoded in the workers), noting
+        seen += [(hashlib.sha256(a.numpy().tobytes()).digest(), int(b)) for a, b in zip(x, y)]  # the cache's identity
+        clean_k += count(model, [(x, y, j)], mean, std, amp)  # of the set: each image's sha256 and label
+    everyone = [seen] * world  # rank 0 gets every rank's digests and labels (bytes, not images)
+    if world > 1:
+        dist.gather_object(seen, everyone if rank == 0 else None, dst=0)
     cached, error = set(), None
-    if cache_dir:  # rank 0 alone looks and writes (another rank could see a half-made folder); all get its verdict
-        meta = {'made_by': CACHE_MARK, 'seed': seed, 'n': n, 'image_shape': list(images.shape[1:]), 'package': version,
-                'sha256': hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest()}
-        if rank == 0:
+    if rank == 0:
+        digests, y_all = zip(*[d for part in everyone for d in part]) if n else ((), ())
+        y_all = np.asarray(y_all, np.int64)
+        if (y_all < 0).any():  # (data.Samples' mark; folder_batches says the same)
+            bad = int(np.argmax(y_all < 0))
+            error = f'cannot decode {clean.samples[bad][0]} (corrupt or truncated); replace or delete it'
+        elif cache_dir:  # rank 0 alone looks and makes (another rank could see a half-made folder); all get the verdict
+            meta = {'made_by': CACHE_MARK, 'seed': seed, 'n': n, 'image_shape': list(shape), 'package': version,
+                    'sha256': hashlib.sha256(b''.join(digests) + y_all.tobytes()).hexdigest(),
+                    'sha256_of': 'the per-image sha256 digests, then the int64 labels'}
             try:
-                cached = use_cache(cache_dir, meta, labels, corruptions)
+                cached = use_cache(cache_dir, meta, y_all, corruptions)
             except UserError as e:
                 error = str(e)
-        if world > 1:
-            dist.broadcast_object_list(box := [error, cached])
-            error, cached = box
-        if error:
-            raise UserError(error)
-    pool, sigint = None, (signal.SIGINT, signal.SIG_IGN)  # spawned, not forked (this process runs torch's threads);
-    if workers and set(corruptions) - cached:  # deaf to Ctrl-C: this process stops them, no traceback from each
-        pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context('spawn'),
-                                                      initializer=signal.signal, initargs=sigint)
-    counts, t0 = [], time.time()
+    if world > 1:
+        dist.broadcast_object_list(box := [error, cached])
+        error, cached = box
+    if error:
+        raise UserError(error)
+    y_rank, m, t0 = np.array([b for _, b in seen], np.int64), hi - lo, time.time()
+    make = [c for c in corruptions if c not in cached]  # one loader for them all: its workers start once
+    chunks = [range(i * m + j, i * m + min(j + batch_size, m))  # batches of one corruption each
+              for i in range(len(make)) for j in range(0, m, batch_size)]
+    # one batch in flight per worker: a batch takes a worker seconds to corrupt, and holds S x B images (pinned)
+    batches = iter(loader(Corrupted(clean, make, made, seed, lo, hi), workers, batch_sampler=chunks,
+                          **dict(prefetch_factor=1) if workers else {}) if chunks else [])
+    cells = list(itertools.product(corruptions, severities))
+    k = {cell: torch.zeros(2, dtype=torch.float64, device=device) for cell in cells}
     try:
         for i, c in enumerate(corruptions):
             if c in cached:
                 data = np.load(os.path.join(cache_dir, f'{c}.npy'), mmap_mode='r')
-                rows = {s: data[(s - 1) * n + lo:(s - 1) * n + hi] for s in severities}
-            else:  # chunks of 100 images of this rank's slice, at each severity
-                tasks = [(images[j:min(j + 100, hi)], j, c, s, seed) for s in made for j in range(lo, hi, 100)]
-                parts = list(pool.map(corrupt_chunk, tasks) if pool else map(corrupt_chunk, tasks))
-                k = len(tasks) // len(made)  # chunks per severity
-                rows = {s: np.concatenate(parts[m * k:(m + 1) * k] or [images[:0]]) for m, s in enumerate(made)}
-                if cache_dir:  # rank 0 gathers every rank's rows (only rank 0: at 224 px they are GBs) and writes
-                    everyone = [rows] * world  # the file in one piece
-                    if world > 1:
-                        dist.gather_object(rows, everyone if rank == 0 else None, dst=0)
-                    if rank == 0:
-                        save_atomic(os.path.join(cache_dir, f'{c}.npy'), lambda f: np.save(f, np.concatenate(
-                            [np.concatenate([p[s] for p in everyone]) for s in SEVERITIES])))
-                if progress:
-                    print(f'corrupted {c} ({i + 1}/{len(corruptions)}): {hi - lo:,} images x {len(made)} severities '
-                          f'| {fmt_time(time.time() - t0)} elapsed', file=sys.stderr, flush=True)
-            counts += [count(model, array_batches(rows[s], labels[lo:hi], 0, hi - lo, batch_size), mean, std, amp)
-                       for s in severities]
-    finally:
-        if pool:
-            pool.shutdown(cancel_futures=True)
-    clean = count(model, array_batches(images, labels, lo, hi, batch_size), mean, std, amp)
-    counts = all_reduce(counts + [clean], world)
-    r = summarize(dict(zip([(c, s) for c in corruptions for s in severities], counts)), counts[-1])
-    which = 'CIFAR-10-C' if images.shape[1] == 32 else 'ImageNet-C (corrupted at 224 px, saved as JPEG)'
-    r['note'] = NOTE.format(v=version, h=images.shape[1], w=images.shape[2], seed=seed, which=which)
+                for s in severities:
+                    k[c, s] = count(model, array_batches(data[(s - 1) * n + lo:(s - 1) * n + hi], y_rank, 0, m,
+                                                         batch_size), mean, std, amp)
+                continue
+            tmp = os.path.join(cache_dir, f'{c}.npy.tmp') if cache_dir else None
+            rows = np.load(tmp, mmap_mode='r+') if tmp else None  # the file rank 0 made: this rank's rows into it
+            for _ in range(len(chunks) // len(make)):
+                x, y, j = next(batches)  # x (B, S, H, W, 3) uint8: image j[b] at severity made[s] in x[b, s]
+                for t, s in enumerate(made):
+                    if rows is not None:
+                        rows[(s - 1) * n + int(j[0]):(s - 1) * n + int(j[-1]) + 1] = x[:, t].numpy()
+                x = x.to(device, non_blocking=True)
+                for s in severities:
+                    k[c, s] += count(model, [(x[:, made.index(s)].permute(0, 3, 1, 2), y, j)], mean, std, amp)
+            if rows is not None:
+                rows.flush()
+                del rows
+                if world > 1:  # every rank's rows are in: rank 0 renames the file whole
+                    dist.barrier()
+                if rank == 0:
+                    os.replace(tmp, os.path.join(cache_dir, f'{c}.npy'))
+            if progress:
+                print(f'corrupted {c} ({i + 1}/{len(corruptions)}): {m:,} images x {len(made)} severities '
+                      f'| {fmt_time(time.time() - t0)} elapsed', file=sys.stderr, flush=True)
+    finally:  # Ctrl-C, a crash: no half-filled file is left (the corruptions finished stay)
+        for c in make if cache_dir and rank == 0 else []:
+            if os.path.exists(tmp := os.path.join(cache_dir, f'{c}.npy.tmp')):
+                os.remove(tmp)
+    counts = all_reduce([k[cell] for cell in cells] + [clean_k], world)
+    r = summarize(dict(zip(cells, counts)), counts[-1])
+    which = 'CIFAR-10-C' if shape[0] == 32 else 'ImageNet-C (corrupted at 224 px, saved as JPEG)'
+    r['note'] = NOTE.format(v=version, h=shape[0], w=shape[1], seed=seed, which=which)
     return r
 
 
@@ -384,22 +463,24 @@ def uniform_start(seed, idx, shape):
     return ((mix32(j ^ key) >> 8).float() * 2.0 ** -24).view(len(idx), *shape)
 
 
-def attack_counts(model, batches, mean, std, kind, eps, alpha, steps, seed):
-    """batches of (uint8 x, labels, indices) -> [clean correct, robust correct, n] on this process, in fp32.
+def attack_counts(model, batches, mean, std, kind, eps, alpha, steps, seed, amp=False):
+    """batches of (uint8 x, labels, indices) -> [clean correct, robust correct, n] on this process; amp: every forward
+    (the attack's too) under the bf16 autocast of the clean evaluation, so that both see one model.
     Each image's PGD random start U(-eps, eps) is uniform_start's, keyed by (seed, index). No host sync."""
     pixels = lambda v: normalize(v * 255, mean, std)  # noqa: E731  attacked on [0, 1] pixels: eps is /255
     k = torch.zeros(3, dtype=torch.float64, device=mean.device)
     for x_u8, y, idx in batches:
         x_u8, y = (t.to(mean.device, non_blocking=True) for t in (x_u8, y))
         x = x_u8.float() / 255
-        if kind == 'fgsm':
-            x_adv = fgsm(model, x, y, eps, normalize=pixels)
-        else:
-            start = (uniform_start(seed, idx.to(mean.device, non_blocking=True), x.shape[1:]) * 2 - 1) * eps
-            x_adv = pgd(model, x, y, eps, alpha, steps, random_start=start, normalize=pixels)
-        with torch.no_grad():
-            k[:2] += torch.stack([(predict(model, x_u8, mean, std) == y).sum(),
-                                  (model(pixels(x_adv)).argmax(1) == y).sum()])
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=amp):  # (pgd sums the loss: no bf16 underflow)
+            if kind == 'fgsm':
+                x_adv = fgsm(model, x, y, eps, normalize=pixels)
+            else:
+                start = (uniform_start(seed, idx.to(mean.device, non_blocking=True), x.shape[1:]) * 2 - 1) * eps
+                x_adv = pgd(model, x, y, eps, alpha, steps, random_start=start, normalize=pixels)
+        with torch.no_grad(), torch.autocast(x.device.type, torch.bfloat16, enabled=amp):
+            k[:2] += torch.stack([(predict(model, x_u8, mean, std, amp) == y).sum(),
+                                  (model(pixels(x_adv)).float().argmax(1) == y).sum()])
             k[2] += len(y)
     return k
 
@@ -564,10 +645,10 @@ def run(args, stored, dataset, clean_root, classes, samples):
         arrays, labels = read_cifar10c(args.data, args.corruptions, 10)
         n = len(labels) // len(SEVERITIES)
         lo, hi = rank_slice(n, rank, world)
-        k = [count(model, array_batches(arrays[c], labels, (s - 1) * n + lo, (s - 1) * n + hi, batch), mean, std, amp)
-             for c, s in cells]
+        k = [count(model, array_batches(arrays[c], labels, (s - 1) * n + lo, (s - 1) * n + hi, batch, device), mean,
+                   std, amp) for c, s in cells]
         k = all_reduce(k + [count(model, array_batches(clean_hwc, y_clean, *rank_slice(len(y_clean), rank, world),
-                                                       batch), mean, std, amp)], world)
+                                                       batch, device), mean, std, amp)], world)
         r.update(summarize(dict(zip(cells, k)), k[-1]))
     elif args.benchmark in ('imagenet-c', 'imagenet-r'):
         if args.benchmark == 'imagenet-c':
@@ -592,23 +673,23 @@ def run(args, stored, dataset, clean_root, classes, samples):
             r.update(imagenet_r=pct(*k['imagenet_r']), clean_200=pct(*k['clean_200']), clean=pct(*k['clean']))
             r['gap'] = r['clean_200']['acc'] - r['imagenet_r']['acc']
     elif args.benchmark == 'corrupt':
-        if dataset == 'imagenet':
-            x_clean = torch.stack([transform(default_loader(p)) for p, _ in samples])
-            y_clean = torch.tensor([label for _, label in samples])
+        if dataset == 'imagenet':  # decoded in the loader's workers, each rank its slice: uint8 at the eval size
+            x_clean, y_clean = Samples(samples, transform), None
         r.update(corruption_accuracy(model, x_clean, y_clean, prep['mean'], prep['std'], args.corruptions,
                                      args.severities, args.seed, args.cache or os.path.join(args.out, 'corrupted'),
                                      batch, workers=args.workers, rank=rank, world=world, amp=amp, progress=rank == 0))
     if args.attack:  # on the clean set
         batches = (folder_batches(samples, transform, batch, args.workers, rank, world) if dataset == 'imagenet' else
-                   array_batches(clean_hwc, y_clean, *rank_slice(len(y_clean), rank, world), batch))
+                   array_batches(clean_hwc, y_clean, *rank_slice(len(y_clean), rank, world), batch, device))
         k = all_reduce([attack_counts(model, batches, mean, std, args.attack, args.eps / 255, args.alpha / 255,
-                                      args.steps, args.seed)], world)[0]
+                                      args.steps, args.seed, amp)], world)[0]
         steps, alpha = (args.steps, args.alpha) if args.attack == 'pgd' else (1, args.eps)
         r['attack'] = dict(name=f'PGD-{steps} eps {args.eps:g}/255 alpha {alpha:g}/255' if args.attack == 'pgd'
                            else f'FGSM eps {args.eps:g}/255', kind=args.attack, eps=args.eps, alpha=alpha, steps=steps,
-                           clean_correct=k[0], robust_correct=k[1], n=k[2], clean_acc=100 * k[0] / k[2],
-                           robust_acc=100 * k[1] / k[2])
-        r.setdefault('clean', pct(k[0], k[2]))
+                           robust_correct=k[1], n=k[2], robust_acc=100 * k[1] / k[2])
+        # one clean accuracy per model: the benchmark's where it ran (the same images under the same autocast)
+        clean = r.setdefault('clean', pct(k[0], k[2]))
+        r['attack'].update(clean_correct=clean['correct'], clean_acc=clean['acc'])
     r['wall_s'] = time.time() - t_start
     if rank == 0:
         print(table(r))

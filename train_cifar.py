@@ -222,6 +222,23 @@ def train_row(epoch, step, lr, sums, images, t_row, t_start):
             / count, 'img_per_s': images / (time.time() - t_row), 'elapsed_s': time.time() - t_start}
 
 
+class StaticEval(nn.Module):
+    """--compile's evaluation: a batch smaller than `size` (the tail of the test set, of a rank's slice) is padded with
+    zeros to it and its padding's logits dropped, so that one static graph serves every eval batch, not a second,
+    dynamic one compiled for the tail (eval mode: an image's logits depend on it alone; tests/test_compile.py)."""
+
+    def __init__(self, compiled, size, memory_format):
+        super().__init__()
+        self.compiled, self.size, self.memory_format = compiled, size, memory_format
+
+    def forward(self, x):
+        if len(x) == self.size:
+            return self.compiled(x)
+        full = x.new_zeros(self.size, *x.shape[1:]).contiguous(memory_format=self.memory_format)
+        full[:len(x)] = x
+        return self.compiled(full)[:len(x)]
+
+
 def main(argv=None):
     args, t_start = get_args(argv), time.time()
     proc = setup(args.amp)  # rank, device, autocast; cuda:LOCAL_RANK when there is a GPU
@@ -242,10 +259,15 @@ def main(argv=None):
     train_x, train_y, test_x, test_y = load_data(args, proc)
     norm = ((0.5,) * 3,) * 2 if args.recipe == 'finetune' else (MEAN[args.dataset], STD[args.dataset])  # (x-m)/s
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in norm)
-    eval_model = torch.compile(raw) if args.compile else raw  # not DDP: the ranks see different counts
+    # not DDP: the ranks see different counts. Static (dynamic=False): an eval batch unlike the training batch would
+    # else make dynamo recompile the forward for any batch size (automatic dynamic shapes); StaticEval pads the tail
+    eval_model = torch.compile(raw, dynamic=False) if args.compile else raw
+    mine = len(test_y) * (rank + 1) // world - len(test_y) * rank // world  # this rank's test images (evaluate's)
+    scorer = StaticEval(eval_model, min(args.eval_batch_size, mine), torch.channels_last if args.channels_last else
+                        torch.contiguous_format) if args.compile else eval_model
     test = (test_x, test_y, mean, std, args.eval_batch_size, rank, world, autocast, args.channels_last, args.img_size)
     if args.eval_only:
-        r = evaluate(eval_model, *test)
+        r = evaluate(scorer, *test)
         log(f'eval | {args.checkpoint} | {args.model} on {args.dataset} | test loss {r["loss"]:.4f} acc '
             f'{r["top1"]:.2f}% ({r["correct"]}/{r["n"]}) top-5 {r["top5"]:.2f}% | world {world}')
         return leave(proc.ddp)
@@ -312,7 +334,7 @@ def main(argv=None):
             if proc.ddp:  # evaluate (and save) exactly rank 0's BatchNorm statistics on every rank
                 for buf in raw.buffers():
                     dist.broadcast(buf, 0)
-            r = evaluate(eval_model, *test)
+            r = evaluate(scorer, *test)
             history.append({'kind': 'eval', 'epoch': epoch + 1, 'step': step, **r, 'elapsed_s': time.time() - t_start})
             loss_sum, correct, count = sums[1].tolist()
             log(f'ep {epoch + 1}/{args.epochs} | train loss {loss_sum / count:.4f} acc {100 * correct / count:.2f}% | '

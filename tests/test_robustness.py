@@ -8,9 +8,11 @@ read from timm's own index file. Subprocesses run with OMP_NUM_THREADS=1 (see te
 import json
 import os
 import pkgutil
+import shutil
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -435,6 +437,9 @@ def test_cache_of_another_imagecorruptions_version_or_shape_is_refused(trained, 
                                            'refused, its images could differ'):
         rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(cache))
     assert snapshot(cache) == before
+    (cache / 'meta.json').write_text(json.dumps({k: v for k, v in meta.items() if k != 'sha256_of'}))
+    with pytest.raises(rb.UserError, match='was made by an older robustness.py, which identified the images otherwise'):
+        rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast'], cache_dir=str(cache))
     (cache / 'meta.json').write_text(json.dumps(meta))
     np.save(cache / 'contrast.npy', np.zeros((5 * 4, 16, 16, 3), np.uint8))
     with pytest.raises(rb.UserError, match=r'contrast.npy is uint8 \(20, 16, 16, 3\), not the uint8 \(20, 32, 32, 3\)'):
@@ -523,10 +528,10 @@ def test_pgd_starts_are_per_image_whatever_the_batch():
     assert torch.corrcoef(big[:50]).fill_diagonal_(0).abs().max() < 0.2  # not copies (chance: sd 0.036, max ~0.14)
 
 
-def test_counting_and_attack_loops_make_no_host_sync_and_gather_only_to_rank_0(monkeypatch):
+def test_counting_and_attack_loops_make_no_host_sync():
     """What the loops would sync on: .item() / .tolist() (aten._local_scalar_dense), a tensor from Python data (the
     host-to-device copy of y.new_tensor(len(y)): aten.lift_fresh), a draw from a CPU generator per image. None
-    occurs (observable on CPU through a dispatch mode). Rank 1 sends its own corrupted rows to rank 0 alone."""
+    occurs (observable on CPU through a dispatch mode)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -548,17 +553,114 @@ def test_counting_and_attack_loops_make_no_host_sync_and_gather_only_to_rank_0(m
         assert not bad, bad
     assert [t.tolist() for t in counts[3]] == [t.tolist() for t in counts[10]]  # the batch changes nothing
     assert counts[3][0][1] == 10 and counts[3][1][2] == 10
-    sent = []  # rank 1 of 2, with rank 0's verdict on the cache broadcast to it
+    # CIFAR-10-C: a rank's rows of a cell go to the device in one copy, and its batches are views of that copy
+    got = list(rb.array_batches(images, np.arange(10) % 10, 2, 9, 3, torch.device('cpu')))
+    assert len({x.untyped_storage().data_ptr() for x, _, _ in got}) == 1 and [len(y) for _, y, _ in got] == [3, 3, 1]
+    assert torch.equal(torch.cat([x for x, _, _ in got]), torch.from_numpy(images[2:9]).permute(0, 3, 1, 2))
+    assert torch.cat([y for _, y, _ in got]).tolist() == list(range(2, 9))
+
+
+def test_rank_1_writes_only_its_rows_into_rank_0_s_memmap_and_sends_no_images(tmp_path, monkeypatch):
+    """Rank 1 of 2 (rank 0's verdict on the cache broadcast to it; the sparse contrast.npy.tmp rank 0 makes, made here
+    by hand): it sends rank 0 only a digest and a label per image (the old code gathered every corrupted image on
+    rank 0: ~38 GB per corruption at ImageNet size), writes its own rows 5..9 of each severity into the shared file,
+    leaves rank 0's rows alone and the renaming to rank 0. The rows are imagecorruptions' own (contrast draws no
+    random numbers)."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))
+    images = np.random.default_rng(0).integers(0, 256, (10, 32, 32, 3), dtype=np.uint8)
+    sent = []
     monkeypatch.setattr(rb.dist, 'broadcast_object_list', lambda box: box.__setitem__(slice(None), [None, set()]))
     monkeypatch.setattr(rb.dist, 'gather_object', lambda obj, dst_list=None, dst=0: sent.append((obj, dst_list, dst)))
     monkeypatch.setattr(rb.dist, 'all_gather_object', lambda *a: pytest.fail('every rank gets every array'))
     monkeypatch.setattr(rb.dist, 'all_reduce', lambda t: None)
+    monkeypatch.setattr(rb.dist, 'barrier', lambda: None)
+    np.lib.format.open_memmap(tmp_path / 'contrast.npy.tmp', 'w+', np.uint8, (50, 32, 32, 3))
     x = torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
-    rb.corruption_accuracy(model, x, torch.arange(10), MEAN, STD, ['contrast'], cache_dir='/nonexistent/never-made',
-                           rank=1, world=2)
-    (rows, dst_list, dst), = sent
-    assert dst_list is None and dst == 0 and set(rows) == {1, 2, 3, 4, 5}
-    assert all(r.dtype == np.uint8 and r.shape == (5, 32, 32, 3) for r in rows.values())  # its own half only
+    rb.corruption_accuracy(model, x, torch.arange(10), MEAN, STD, ['contrast'], cache_dir=str(tmp_path), rank=1,
+                           world=2)
+    (seen, dst_list, dst), = sent
+    assert dst_list is None and dst == 0 and [label for _, label in seen] == [5, 6, 7, 8, 9]
+    assert all(isinstance(d, bytes) and len(d) == 32 for d, _ in seen)  # a sha256 digest per image, no pixels
+    rows = np.load(tmp_path / 'contrast.npy.tmp')
+    for s in range(1, 6):
+        assert not rows[(s - 1) * 10:(s - 1) * 10 + 5].any()  # rank 0's rows: untouched
+        assert all(np.array_equal(rows[(s - 1) * 10 + i], imagecorruptions.corrupt(images[i], severity=s,
+                                                                                   corruption_name='contrast'))
+                   for i in range(5, 10)), s
+    assert sorted(os.listdir(tmp_path)) == ['contrast.npy.tmp']  # rank 0 renames it, once every rank has written
+
+
+def test_a_cache_that_would_not_fit_the_free_disk_is_refused(trained, cifar10_dir, tmp_path, monkeypatch):
+    """The cache holds 5 severities x N uint8 images at the evaluated size per corruption (ImageNet's 50,000 at 224 px:
+    37.6 GB each, 715 GB for the 19): with less free disk than the corruptions still to make need, one line and
+    nothing written; with exactly that much, the run goes ahead."""
+    model, xt, yt, ckpt = trained
+    need = 2 * 5 * 4 * 32 * 32 * 3  # 0.000123 GB: contrast and brightness, 4 images of 32 x 32 x 3 bytes
+    free = [need - 1]
+    monkeypatch.setattr(shutil, 'disk_usage', lambda path: SimpleNamespace(total=10 ** 12, used=0, free=free[0]))
+    cache = tmp_path / 'cache'
+    with pytest.raises(rb.UserError, match=rf'--cache {cache}: 2 corruptions x 20 images of 32x32 px need 0.000123 GB, '
+                                           r'its disk has 0.000123 GB free; free some, pick another --cache'):
+        rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast', 'brightness'], cache_dir=str(cache))
+    assert not cache.exists()
+    free[0] = need
+    rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast', 'brightness'], cache_dir=str(cache))
+    assert sorted(os.listdir(cache)) == ['brightness.npy', 'contrast.npy', 'labels.npy', 'meta.json']
+    free[0] = 0  # what the cache holds needs no more disk
+    rb.corruption_accuracy(model, xt[:4], yt[:4], MEAN, STD, ['contrast', 'brightness'], cache_dir=str(cache))
+    argv = ['--benchmark', 'corrupt', '--data', cifar10_dir, '--subset', 10, '--checkpoint', ckpt, '--workers', 0,
+            '--corruptions', 'contrast', '--no-plot', '--cache', tmp_path / 'new']
+    refused(argv, f'--cache {tmp_path / "new"}: 1 corruptions x 50 images of 32x32 px need 0.000154 GB, its disk has '
+            '0 GB free', tmp_path / 'out', cifar10_dir)
+    assert not (tmp_path / 'new').exists()
+
+
+def test_folder_images_decoded_in_the_loader_give_the_cache_of_their_decoded_tensors(tmp_path):
+    """ImageNet's path: a data.Samples set (each JPEG decoded and cropped to the evaluated size, uint8, in the loader)
+    gives the cache, meta.json and counts that the same images decoded here by torchvision and passed as one tensor
+    give."""
+    rng = np.random.default_rng(1)
+    samples = []
+    for i in range(6):
+        Image.fromarray(rng.integers(0, 256, (40, 36, 3), dtype=np.uint8)).save(tmp_path / f'{i}.jpg', quality=90)
+        samples.append((str(tmp_path / f'{i}.jpg'), i % 3))
+    transform = rb.uint8_transform(dict(img_size=32, crop_pct=0.875, eval_interp='bilinear', norm='jax'))
+    decoded = torch.stack([transform(Image.open(p).convert('RGB')) for p, _ in samples])
+    assert decoded.shape == (6, 3, 32, 32) and decoded.dtype == torch.uint8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 3))
+    names = ['contrast', 'gaussian_noise']
+    a = rb.corruption_accuracy(model, data.Samples(samples, transform), None, MEAN, STD, names, seed=2,
+                               cache_dir=str(tmp_path / 'a'), batch_size=4)
+    b = rb.corruption_accuracy(model, decoded, torch.tensor([y for _, y in samples]), MEAN, STD, names, seed=2,
+                               cache_dir=str(tmp_path / 'b'), batch_size=4)
+    assert a['counts'] == b['counts'] and a['clean'] == b['clean']
+    for f in ('meta.json', 'labels.npy', 'contrast.npy', 'gaussian_noise.npy'):
+        assert (tmp_path / 'a' / f).read_bytes() == (tmp_path / 'b' / f).read_bytes(), f
+
+
+def test_attack_runs_under_the_clean_evaluation_s_autocast_and_results_hold_one_clean_accuracy(trained, cifar10_dir,
+                                                                                              tmp_path):
+    """--amp bf16 (CPU autocast here): the clean evaluation ran in bf16, the attack and its robust forward in fp32, and
+    results.json held two clean accuracies. Now FGSM's robust count is that of the attack written out under bf16
+    autocast, and the attack's clean figure is the benchmark's."""
+    model, xt, yt, ckpt = trained
+    r = rb.main(['--benchmark', 'corrupt', '--corruptions', 'contrast', '--attack', 'fgsm', '--eps', 3, '--amp',
+                 'bf16', '--data', cifar10_dir, '--subset', 200, '--checkpoint', ckpt, '--eval-batch-size', 100,
+                 '--workers', 0, '--no-plot', '--out', tmp_path])
+    mean, std = torch.tensor(MEAN).view(1, 3, 1, 1), torch.tensor(STD).view(1, 3, 1, 1)
+    robust, clean = {}, {}
+    for amp in (True, False):
+        x = (xt.float() / 255).requires_grad_(True)
+        with torch.autocast('cpu', torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(model((x * 255 / 255 - mean) / std).float(), yt, reduction='sum')
+        x_adv = (x + 3 / 255 * torch.autograd.grad(loss, x)[0].sign()).clamp(0, 1).detach()
+        with torch.no_grad(), torch.autocast('cpu', torch.bfloat16, enabled=amp):
+            robust[amp] = int((model((x_adv * 255 / 255 - mean) / std).float().argmax(1) == yt).sum())
+            clean[amp] = int((model(normalise(xt)).float().argmax(1) == yt).sum())
+    assert r['attack']['robust_correct'] == robust[True] and r['clean']['correct'] == clean[True]
+    assert r['attack']['clean_correct'] == r['clean']['correct'] and r['attack']['clean_acc'] == r['clean']['acc']
+    assert robust[True] != robust[False] and clean[True] != clean[False]  # (34 vs 33, 64 vs 63): fp32 would fail
 
 
 def test_runs_with_their_own_img_size_or_classes_load_and_score_as_train_cifar_does(cifar10_dir, tmp_path):

@@ -1,0 +1,74 @@
+"""train_cifar.py --compile for real (torch.compile runs; test_bench.py patches it out): the same run as eager, and
+the number of graphs dynamo compiles for --sam and --sam --adv pgd.
+
+Backend: aot_eager by default, i.e. dynamo's capture, guards and recompiles and AOTAutograd's joint forward/backward
+graphs, as inductor receives them, without inductor's C++ code generation. With inductor, the 4 graphs (before
+train_cifar.StaticEval) of this 682-parameter ConvMixer took 153 s on the shared 2-core CPU (one 1-epoch run,
+2026-12-03), over the suite's budget; COMPILE_BACKEND=inductor runs the same test with it (not run so here).
+Graphs are counted by a backend wrapper (each call is one graph dynamo compiled), whatever the backend.
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch._dynamo
+
+import train_cifar
+
+BACKEND = os.environ.get('COMPILE_BACKEND', 'aot_eager')
+# 64 training images in 4 steps of 16, 2 epochs; 40 test images in eval batches of 32: a tail of 8
+COMMON = ['--train-subset', 64, '--test-subset', 40, '--batch-size', 16, '--eval-batch-size', 32, '--epochs', 2,
+          '--model-kw', 'dim=8', 'depth=1', 'patch_size=4', 'kernel_size=3', '--log-every', 0, '--aug', 'basic',
+          '--sam']
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """torch.compile with BACKEND, from an empty dynamo cache (else another test's ConvMixer graphs are reused);
+    -> the list of the graphs compiled, each as its example inputs."""
+    real, seen = torch.compile, []
+
+    def backend(gm, example_inputs):
+        seen.append(example_inputs)
+        return torch._dynamo.lookup_backend(BACKEND)(gm, example_inputs)
+    monkeypatch.setattr(torch, 'compile', lambda model, **kw: real(model, backend=backend, **kw))
+    torch._dynamo.reset()
+    yield seen
+    torch._dynamo.reset()
+
+
+def static(graph):  # no symbolic size among a graph's inputs: dynamo specialised it to one batch shape
+    return not any(isinstance(a, torch.SymInt) or isinstance(a, torch.Tensor) and any(
+        isinstance(d, torch.SymInt) for d in a.shape) for a in graph)
+
+
+def train(cifar10_dir, out, *extra):
+    train_cifar.main([str(a) for a in ['--data', cifar10_dir, *COMMON, *extra, '--out', out]])
+    rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    return torch.load(out / 'last.pt', weights_only=False)['model'], [r for r in rows if r['kind'] == 'eval']
+
+
+@pytest.mark.usefixtures('one_thread')
+def test_compile_trains_as_eager_and_compiles_one_graph_per_pass(cifar10_dir, tmp_path, graphs):
+    """--compile --sam: the weights after 8 SAM steps equal eager's to 1e-5 relative, the two evaluations count the
+    same correct images (fp32. With aot_eager every weight and eval loss came out bit-identical here, the same aten
+    kernels in the same order; the tolerance leaves room for inductor's fused, reordered sums). Graphs, each static:
+    the first pass (BatchNorm updating its statistics), the second pass (not updating them: sam.second_pass), the
+    evaluation; with --adv pgd the attack's (eval mode, with a gradient) besides. Before the eval model was compiled
+    with dynamic=False and train_cifar.StaticEval padded the tail (8 of 32) to the eval batch, the tail added a
+    dynamic graph (4 and 5)."""
+    eager_w, eager_eval = train(cifar10_dir, tmp_path / 'eager')
+    comp_w, comp_eval = train(cifar10_dir, tmp_path / 'compiled', '--compile')
+    assert len(graphs) == 3 and all(map(static, graphs))
+    assert comp_w.keys() == eager_w.keys()
+    for k, v in eager_w.items():
+        torch.testing.assert_close(comp_w[k].double(), v.double(), rtol=1e-5, atol=1e-6, msg=k)
+    assert [r['correct'] for r in comp_eval] == [r['correct'] for r in eager_eval]
+    assert [r['n'] for r in comp_eval] == [40, 40]
+    for a, b in zip(comp_eval, eager_eval):
+        assert a['loss'] == pytest.approx(b['loss'], rel=1e-5)
+    torch._dynamo.reset()
+    graphs.clear()
+    train(cifar10_dir, tmp_path / 'adv', '--compile', '--adv', 'pgd', '--adv-steps', 1)
+    assert len(graphs) == 4 and all(map(static, graphs))
