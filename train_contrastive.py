@@ -48,7 +48,7 @@ from torchvision.transforms import v2
 import augment
 import vit
 from data import MEAN, NUM_CLASSES, STD, load_cifar
-from models import build_model, load_weights, parse_model_kw
+from models import build_model, channels_last, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group,
@@ -108,6 +108,7 @@ def get_args(argv=None):
     g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'],
                    help='autocast: auto = bf16 on CUDA, off on CPU; fp16 adds a GradScaler')
     g.add_argument('--seed', type=int, default=0, help='seeds the init, the data order and the views')
+    g.add_argument('--channels-last', action=argparse.BooleanOptionalAction, help='NHWC weights (unset: off, a ViT)')
     g.add_argument('--log-every', type=int, default=50, help='a progress line and train row every N steps; 0 = epochs')
     g.add_argument('--out', metavar='DIR', help="default runs/contrastive, or the --resume file's folder")
     g.add_argument('--overwrite', action='store_true', help='replace the run already in --out')
@@ -451,7 +452,8 @@ def main(argv=None):
                         args.batch_size % world else 'needs 2 or more images a process: the projector normalises'))
     B, b = args.batch_size, args.batch_size // world  # global, per rank
     moco, ckpt = make_moco(args)
-    backbone = moco.to(device).base_encoder[0]  # the query encoder's ViT: what is evaluated and exported
+    backbone = moco.to(device, memory_format=torch.channels_last if channels_last(args.channels_last, args.model, device)
+                       else torch.preserve_format).base_encoder[0]  # the query encoder's ViT: evaluated and exported
     out_dir = prepare_out(args) if proc.master and not args.eval_only else Path(args.out)
     init_group(proc)
     with rank_zero_first(proc) if args.dataset != 'imagenet' else contextlib.nullcontext():  # a CIFAR download
