@@ -41,6 +41,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -60,9 +61,9 @@ HERE = Path(__file__).resolve().parent
 PARTS = ('versions', 'augment', 'memory', 'syncs', 'cifar', 'bench', 'smoke', 'compile')
 # Seconds a part needs, (on an H200, dry run on the suite's 2-core CPU). GPU: sized from the part's work, NOT timed
 # (no GPU has run it yet); dry: measured here with room. A part is started only when this much budget is left.
-NEED_S = dict(versions=(10, 3), augment=(30, 12), memory=(45, 2), syncs=(60, 45), cifar=(180, 25), bench=(150, 45),
+NEED_S = dict(versions=(10, 3), augment=(30, 30), memory=(45, 2), syncs=(60, 45), cifar=(180, 25), bench=(150, 45),
               smoke=(70, 50), compile=(240, 0))
-MARGIN_S = 10  # kept back for the last writes and the exit
+MARGIN_S = 15  # kept back for the imports before main() (a few s), the last writes and the exit
 SYNC_JOBS = 6  # sync-counting runs at once on the GPU (they time nothing)
 RESULT, LOGS = 'gpu_check.json', 'gpu_check_logs.tar.gz'
 TINY = ['--model-kw', 'dim=32', 'depth=2', 'patch_size=4', 'kernel_size=3']  # a ConvMixer for the dry run
@@ -213,8 +214,8 @@ def augment_ops(args, work):
     mags = torch.tensor(augment.ra_magnitudes(12), dtype=torch.float64)
     rows = {}
     for k, name in enumerate(augment.RA_OPS):
-        sign = torch.where(u(B) < 0.5, -1.0, 1.0)
-        mag = mags[k] * (sign if name in augment.RA_SIGNED else 1.0)
+        sign = torch.where(u(B) < 0.5, -1.0, 1.0).double()
+        mag = mags[k] * (sign if name in augment.RA_SIGNED else torch.ones(B, dtype=torch.float64))
         rows[name] = both(lambda x, op, m: augment.apply_ra_ops(x.float(), op, m), device, x, torch.full((B,), k), mag)
     side, flip = torch.randint(24, 33, (B,), generator=g).double(), u(B) < 0.5
     top = ((32 - side + 1) * u(B)).floor()
@@ -312,8 +313,8 @@ def sync_runs(args, work):
             'cifar_pgd': cifar('--adv', 'pgd', '--adv-steps', 2),
             'imagenet_convmixer_sam': ('train_imagenet.py', lambda s: [
                 '--data', tiny, '--recipe', 'convmixer', '--model', 'convmixer_768_32', '--model-kw', 'dim=32',
-                'depth=2', '--img-size', 32, '--batch-size', 20, '--max-micro-batch', 10, '--workers', 2, '--sam',
-                '--max-steps', s, '--log-every', 0], 4),
+                'depth=2', 'patch_size=4', '--img-size', 32, '--batch-size', 20, '--max-micro-batch', 10, '--workers',
+                2, '--sam', '--max-steps', s, '--log-every', 0], 4),
             'contrastive_sam': ('train_contrastive.py', lambda s: [
                 '--data', args.data, '--train-subset', s * 20, '--test-subset', n, *VIT, '--proj-hidden', 64,
                 '--proj-dim', 16, '--batch-size', 20, '--epochs', 1, '--warmup-epochs', 0, '--eval', 'knn',
@@ -482,7 +483,8 @@ def run_part(args, part, work):
     except Skip as e:
         record = dict(status='skipped', reason=str(e))
     except Exception as e:  # a failed part is a result: the others still run (one GPU call gets them all)
-        record = dict(status='failed', error=f'{type(e).__name__}: {one_line(e)}', log_tail=log_tail(work, part))
+        record = dict(status='failed', error=f'{type(e).__name__}: {one_line(e)}',
+                      log_tail=log_tail(work, part) or traceback.format_exc().splitlines()[-8:])
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     return dict(record, seconds=round(time.time() - args.part_start, 1),

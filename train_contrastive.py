@@ -452,8 +452,8 @@ def main(argv=None):
                         args.batch_size % world else 'needs 2 or more images a process: the projector normalises'))
     B, b = args.batch_size, args.batch_size // world  # global, per rank
     moco, ckpt = make_moco(args)
-    backbone = moco.to(device, memory_format=torch.channels_last if channels_last(args.channels_last, args.model, device)
-                       else torch.preserve_format).base_encoder[0]  # the query encoder's ViT: evaluated and exported
+    nhwc = channels_last(args.channels_last, args.model, device)  # (off for a ViT unless asked)
+    backbone = moco.to(device, memory_format=torch.channels_last if nhwc else torch.preserve_format).base_encoder[0]
     out_dir = prepare_out(args) if proc.master and not args.eval_only else Path(args.out)
     init_group(proc)
     with rank_zero_first(proc) if args.dataset != 'imagenet' else contextlib.nullcontext():  # a CIFAR download
