@@ -96,14 +96,14 @@ def setup(amp='auto'):
 
 
 def micro_batch_cap(device=None):
-    """The default --max-micro-batch (train_imagenet.py): 256 images per 40 GiB of the GPU's memory, in whole
-    multiples of 256, at least 256 (and 256 on the CPU). 256 was sized for a 40 GB card and the B models in bf16
-    (ViT-B/16 SAM: ~63 MiB an image, so ~16 GiB), and activations grow linearly with the batch: an 80 GB card gets
-    512, a 141 GB H200 768. gpu_check.py's memory part measures the peak at 64, 256 and this figure."""
+    """The default --max-micro-batch (train_imagenet.py): 256 images for every whole 40 GB (4e10 bytes) of the GPU's
+    memory, at least 256; 256 on the CPU. 256 was sized for a 40 GB card and the B models in bf16 (ViT-B/16 SAM:
+    ~63 MiB an image), and activations grow linearly with the batch: an 80 GB card (85.5e9 bytes) gets 512, a 141 GB
+    H200 (150.8e9) 768. gpu_check.py's memory part measures the peak at 64, 256 and this figure."""
     if not torch.cuda.is_available():
         return 256
-    return 256 * max(1, torch.cuda.get_device_properties(device or torch.cuda.current_device()).total_memory // 2 ** 30
-                     // 40)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    return 256 * max(1, props.total_memory // 40_000_000_000)
 
 
 def init_group(proc, timeout_min=60):

@@ -36,7 +36,7 @@ def two_calls(cifar10_dir, tmp_path_factory):
     Both from a folder outside the repo, with --data and --out relative to it (W11, W12)."""
     home = tmp_path_factory.mktemp('caller')
     data = os.path.relpath(cifar10_dir, home)
-    first = run(home, '--dry-run', '--data', data, '--out', 'gc', '--budget-s', 40, '--parts', 'versions', 'memory',
+    first = run(home, '--dry-run', '--data', data, '--out', 'gc', '--budget-s', 60, '--parts', 'versions', 'memory',
                 'syncs', 'bench', 'smoke', 'compile')
     after_first = json.loads((home / 'gc' / 'gpu_check.json').read_text())
     second = run(home, '--dry-run', '--data', data, '--out', 'gc', '--parts', 'augment', 'cifar')
@@ -46,14 +46,14 @@ def two_calls(cifar10_dir, tmp_path_factory):
 def test_a_short_budget_stops_in_time_and_names_every_skipped_part(two_calls):
     home, (r, wall), got, _, _ = two_calls
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert got['calls'][0]['wall_s'] <= 40 - 15  # the budget less what is kept back for the imports and the writes
-    assert wall < 40 + 60  # (+ the process's imports: seconds, more on this shared 2-core VM)
+    assert got['calls'][0]['wall_s'] <= 60 - 10  # from the process's start: the budget less the last writes' margin
+    assert wall < 60  # the whole process, as the caller sees it
     assert set(got['parts']) == set(PARTS)  # every part named, the ones not asked for too
     status = {p: got['parts'][p]['status'] for p in PARTS}
     assert status == dict(versions='ok', memory='ok', syncs='skipped', bench='skipped', smoke='skipped',
                           compile='skipped', augment='not run', cifar='not run'), status
-    for part in ('syncs', 'bench', 'smoke'):  # (needs 45-50 s, 25 s are left)
-        assert 'needs ~' in got['parts'][part]['reason'] and '--budget-s 40' in got['parts'][part]['reason']
+    for part in ('syncs', 'bench', 'smoke'):  # (each needs 90 s, at most 50 are left)
+        assert 'needs ~' in got['parts'][part]['reason'] and '--budget-s 60' in got['parts'][part]['reason']
         assert any(line.startswith(part) and 'skipped' in line and 'needs ~' in line for line in r.stdout.splitlines())
     assert 'dry run does not compile' in got['parts']['compile']['reason']
     assert r.stdout.splitlines()[-1].startswith('done | 2 ok | 0 failed | 4 skipped (syncs, bench, smoke, compile)')
@@ -67,7 +67,7 @@ def test_a_second_call_merges_and_files_stay_under_out_and_few(two_calls):
         ('versions', 'memory', 'augment', 'cifar'), 'ok')
     files = [p for p in (home / 'gc').rglob('*')]
     assert sorted(p.name for p in files) == ['gpu_check.json', 'gpu_check_logs.tar.gz']  # <= 8, the lease's limit
-    assert not os.listdir(home / 'tmp')  # the run folders and the tiny ImageNet were removed
+    assert not [f for f in os.listdir(home / 'tmp') if f.startswith('gpu_check')]  # run folders, tiny ImageNet: gone
     assert not (REPO / 'gc').exists()
     cifar = got['parts']['cifar']
     assert 0 < cifar['eager']['test_acc'] <= 100 and 'cifar10' in cifar['source']['data']
@@ -108,13 +108,16 @@ def test_a_subprocess_past_the_budget_is_stopped_there(tmp_path):
     assert time.time() - t < 10
 
 
-def test_data_it_cannot_use_is_one_line_before_any_part(tmp_path):
+def test_data_it_cannot_use_is_one_line_before_any_part(tmp_path, monkeypatch):
+    import gpu_check
+    from utils import UserError
     (tmp_path / 'tiny' / 'train' / 'a').mkdir(parents=True)  # an ImageNet layout (W08)
     (tmp_path / 'tiny' / 'val' / 'a').mkdir(parents=True)
-    r, _ = run(tmp_path, '--dry-run', '--data', 'tiny', '--out', 'gc')
-    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
-        f'gpu_check.py: error: --data {tmp_path / "tiny"}: expected CIFAR-10 as DIR/train/<class>/*, '
-        "DIR/test/<class>/* or torchvision's DIR/cifar-10-batches-py"]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        gpu_check.get_args(['--dry-run', '--data', 'tiny', '--out', 'gc'])
+    assert str(e.value) == (f'--data {tmp_path / "tiny"}: expected CIFAR-10 as DIR/train/<class>/*, '
+                            "DIR/test/<class>/* or torchvision's DIR/cifar-10-batches-py")
 
 
 def test_without_cuda_the_real_run_is_one_line(cifar10_dir, tmp_path):
