@@ -14,7 +14,8 @@ import utils
 
 @pytest.mark.parametrize('name, flag, device, want', [
     ('convmixer_256_8', None, 'cuda', True), ('convmixer_1536_20', None, 'cuda:1', True),
-    ('resnet50', None, 'cuda', True), ('resnet20', None, 'cuda', True), ('vit_b16', None, 'cuda', False), ('mixer_b16', None, 'cuda', False),
+    ('resnet50', None, 'cuda', True), ('resnet20', None, 'cuda', True), ('vit_b16', None, 'cuda', False),
+    ('mixer_b16', None, 'cuda', False),
     ('convmixer_256_8', None, 'cpu', False), ('convmixer_256_8', False, 'cuda', False), ('vit_b16', True, 'cpu', True)])
 def test_channels_last_default(name, flag, device, want):
     assert models.channels_last(flag, name, torch.device(device)) is want

@@ -16,9 +16,9 @@ PARTS = ('versions', 'augment', 'memory', 'syncs', 'cifar', 'bench', 'smoke', 'c
 # The ops issue 33 lists: torchvision RandAugment's 14, the MoCo v3 view's, and whole pipelines.
 RANDAUGMENT = ('Identity', 'ShearX', 'ShearY', 'TranslateX', 'TranslateY', 'Rotate', 'Brightness', 'Color', 'Contrast',
                'Sharpness', 'Posterize', 'Solarize', 'AutoContrast', 'Equalize')
-LISTED = ('gaussian_blur', 'adjust_hue', 'color_jitter', 'resized_crop_rect_flip', 'random_erasing', 'resized_crop_flip',
-          'pad_crop_flip', 'Augment.__call__ (strong)', 'Augment.__call__ (locuslab)', 'Augment.__call__ (basic)',
-          'moco_view 0', 'moco_view 1')
+LISTED = ('gaussian_blur', 'adjust_hue', 'color_jitter', 'resized_crop_rect_flip', 'random_erasing',
+          'resized_crop_flip', 'pad_crop_flip', 'Augment.__call__ (strong)', 'Augment.__call__ (locuslab)',
+          'Augment.__call__ (basic)', 'moco_view 0', 'moco_view 1')
 
 
 def run(cwd, *args):
@@ -78,12 +78,23 @@ def test_a_second_call_merges_and_files_stay_under_out_and_few(two_calls):
         assert {'cifar.log', 'augment.log'} <= set(tar.getnames())
 
 
+# augment.py's other functions and the compared ops they run inside (a new op must be compared, or listed here)
+INSIDE = dict(per_image='RandAugment', grayscale='Color', smooth='Sharpness', blend_ops='color_jitter',
+              posterize='Posterize', solarize='Solarize', affine_basis='Rotate', ra_magnitudes='Augment.__call__',
+              apply_ra_ops='RandAugment', normalize='Augment.__call__', no_tf32='gaussian_blur',
+              make_augment='Augment.__call__')
+
+
 def test_the_augment_part_compares_every_listed_op(two_calls):
+    import inspect
+
     import augment
     got = two_calls[-1]['parts']['augment']['differing_pixels']
     assert set(RANDAUGMENT) == set(augment.RA_OPS)  # the names gpu_check takes the ops by
     assert set(got) == set(RANDAUGMENT) | set(LISTED)
     assert all(v == 0 for v in got.values())  # the CPU against itself: the plumbing, not the GPU
+    functions = {n for n, f in vars(augment).items() if inspect.isfunction(f) and f.__module__ == 'augment'}
+    assert functions - set(INSIDE) <= set(LISTED), functions - set(INSIDE) - set(LISTED)
 
 
 def test_fixed_draws_are_replayed_whatever_the_generator():
