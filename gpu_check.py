@@ -28,6 +28,7 @@ gpu_check_logs.tar.gz (every log); run folders live in a temporary folder, remov
 scripts through their command lines (no script imports another) and installs nothing.
 """
 import argparse
+import importlib.util
 import io
 import json
 import math
@@ -149,15 +150,15 @@ def script(args, name, argv, log, wrapper=None):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
                             start_new_session=True)  # its own group: its loader workers are stopped with it
     try:
-        out, err = proc.communicate(timeout=left)
+        (out, err), late = proc.communicate(timeout=left), False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        (out, err), late = proc.communicate(), True
         err += f'\n(stopped after {time.time() - t:.0f} s: the end of --budget-s {args.budget_s:g})'
     with open(log, 'a') as f:
         f.write(f'$ {" ".join([name, *map(str, argv)])}\n{out}{err}(exit {proc.returncode}, '
                 f'{time.time() - t:.1f} s)\n\n')
-    if proc.returncode == -signal.SIGKILL:
+    if late:
         raise OutOfTime(f'{name} ran into the end of --budget-s {args.budget_s:g} after {time.time() - t:.0f} s')
     return proc.returncode, err, time.time() - t
 
@@ -169,21 +170,13 @@ def check(code, err, what):
 
 def versions(args, work):
     import torchvision
-    mods = {name: getattr(__import__(name), '__version__', '?') for name in ('timm', 'einops') if _importable(name)}
+    mods = {n: importlib.import_module(n).__version__ for n in ('timm', 'einops') if importlib.util.find_spec(n)}
     cuda = torch.cuda.is_available()
     return dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
                 cudnn=torch.backends.cudnn.version(), torchvision=torchvision.__version__, **mods,
                 gpu=torch.cuda.get_device_name() if cuda else None,
                 gpu_memory_mib=torch.cuda.get_device_properties(0).total_memory / 2 ** 20 if cuda else None,
                 max_micro_batch=micro_batch_cap(), cpus=len(os.sched_getaffinity(0)), dry_run=args.dry_run)
-
-
-def _importable(name):
-    try:
-        __import__(name)
-        return True
-    except ImportError:
-        return False
 
 
 # ----- augment: CUDA against the CPU, op by op, with the same inputs and the same random draws.

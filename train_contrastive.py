@@ -48,7 +48,7 @@ from torchvision.transforms import v2
 import augment
 import vit
 from data import MEAN, NUM_CLASSES, STD, load_cifar
-from models import build_model, channels_last, load_weights, parse_model_kw
+from models import build_model, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group,
@@ -411,6 +411,7 @@ def make_moco(args):
         full = build_model(args.model, 10, args.img_size, parse_model_kw(args.model_kw), cifar=True)
         load_weights(full, args.checkpoint, finetune=True)
         moco.base_encoder[0].load_state_dict({k: v for k, v in full.state_dict().items() if not k.startswith('head.')})
+    moco.to(memory_format=torch.channels_last if args.channels_last else torch.preserve_format)  # a ViT: as asked
     return moco, ckpt
 
 
@@ -452,8 +453,7 @@ def main(argv=None):
                         args.batch_size % world else 'needs 2 or more images a process: the projector normalises'))
     B, b = args.batch_size, args.batch_size // world  # global, per rank
     moco, ckpt = make_moco(args)
-    nhwc = channels_last(args.channels_last, args.model, device)  # (off for a ViT unless asked)
-    backbone = moco.to(device, memory_format=torch.channels_last if nhwc else torch.preserve_format).base_encoder[0]
+    backbone = moco.to(device).base_encoder[0]  # the query encoder's ViT: what is evaluated and exported
     out_dir = prepare_out(args) if proc.master and not args.eval_only else Path(args.out)
     init_group(proc)
     with rank_zero_first(proc) if args.dataset != 'imagenet' else contextlib.nullcontext():  # a CIFAR download
