@@ -384,13 +384,18 @@ def cifar(args, work):
     else:
         rows['eager_other_layout'] = cifar_run(args, work, 'layout', [other, *['--epochs', 3] * (not args.dry_run)],
                                                work / 'cifar.log')
-    return dict(rows, source=source, reference=LOCUSLAB)
+    return dict(rows, source=source, reference=LOCUSLAB, **stopped(rows['eager']))
 
 
 def compile_run(args, work):
     if args.dry_run:
         raise Skip('the dry run does not compile (minutes on a CPU); --compile is timed on the GPU only')
-    return dict(compile=cifar_run(args, work, 'compile', ['--compile'], work / 'compile.log'), reference=LOCUSLAB)
+    row = cifar_run(args, work, 'compile', ['--compile'], work / 'compile.log')
+    return dict(compile=row, reference=LOCUSLAB, **stopped(row))
+
+
+def stopped(row):  # a run the budget ended: its figures so far, and a status that --parts rest runs again
+    return dict(status='stopped', error=row['stopped_by_budget']) if row['stopped_by_budget'] else {}
 
 
 def bench(args, work):
@@ -483,7 +488,7 @@ def run_part(args, part, work):
     signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, max(left + 2, 0.1))
     try:
-        record = dict(status='ok', **RUN[part](args, work))
+        record = {'status': 'ok', **RUN[part](args, work)}
     except Skip as e:
         record = dict(status='skipped', reason=str(e))
     except Exception as e:  # a failed part is a result: the others still run (one GPU call gets them all)
@@ -522,8 +527,9 @@ def main(argv=None):
             print(f'{part:9s} {record["status"]:7s} {record.get("seconds", 0):6.1f} s  {why}', flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    by = {s: [p for p in parts if result['parts'][p]['status'] == s] for s in ('ok', 'failed', 'skipped')}
-    counts = [f'{len(v)} {s}' + (f' ({", ".join(v)})' if v and s != 'ok' else '') for s, v in by.items()]
+    by = {s: [p for p in parts if result['parts'][p]['status'] == s] for s in ('ok', 'failed', 'skipped', 'stopped')}
+    counts = [f'{len(v)} {s}' + (f' ({", ".join(v)})' if v and s != 'ok' else '') for s, v in by.items()
+              if v or s != 'stopped']
     print(f'done | {" | ".join(counts)} | {time.time() - t0:.0f} of {args.budget_s:g} s | {args.out / RESULT}')
     return 1 if by['failed'] else 0
 
