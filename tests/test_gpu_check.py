@@ -4,6 +4,7 @@ would not fit, leaves one JSON and one log archive under --out, merges a second 
 --data / --out relative to the caller's folder. Without CUDA the real run refuses in one line."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -35,7 +36,12 @@ def two_calls(cifar10_dir, tmp_path_factory):
     """Call 1: a budget too short for most parts; call 2: the augment and cifar parts, merged into the same JSON.
     Both from a folder outside the repo, with --data and --out relative to it (W11, W12)."""
     home = tmp_path_factory.mktemp('caller')
-    data = os.path.relpath(cifar10_dir, home)
+    for split, n in (('train', 20), ('test', 10)):  # a small copy (W01): the dry run sizes itself to it
+        for c in sorted(os.listdir(cifar10_dir / split)):
+            (home / 'd' / 'cifar10' / split / c).mkdir(parents=True)
+            for f in sorted(os.listdir(cifar10_dir / split / c))[:n]:
+                shutil.copy(cifar10_dir / split / c / f, home / 'd' / 'cifar10' / split / c)
+    data = os.path.join('d', 'cifar10')  # relative to the caller's folder (W11, W12)
     first = run(home, '--dry-run', '--data', data, '--out', 'gc', '--budget-s', 60, '--parts', 'versions', 'memory',
                 'syncs', 'bench', 'smoke', 'compile')
     after_first = json.loads((home / 'gc' / 'gpu_check.json').read_text())
@@ -70,7 +76,8 @@ def test_a_second_call_merges_and_files_stay_under_out_and_few(two_calls):
     assert not [f for f in os.listdir(home / 'tmp') if f.startswith('gpu_check')]  # run folders, tiny ImageNet: gone
     assert not (REPO / 'gc').exists()
     cifar = got['parts']['cifar']
-    assert 0 < cifar['eager']['test_acc'] <= 100 and 'cifar10' in cifar['source']['data']
+    assert 0 < cifar['eager']['test_acc'] <= 100 and cifar['source']['data'] == str(home / 'd' / 'cifar10')
+    assert cifar['source']['images'] == '200 train / 100 test'
     assert cifar['source']['format'].startswith('JPEG') and '92.5%' in cifar['reference']
     assert cifar['eager']['channels_last'] is False and cifar['eager_other_layout']['channels_last'] is True  # (CPU)
     import tarfile
