@@ -134,7 +134,7 @@ def cifar_counts(args):
     if [len(c) for c in counts] != [10, 10] or min(map(min, counts)) < 10:
         raise UserError(f'--data {args.data}: needs 10 class folders with 10 or more images each in train/ and test/')
     per_class = min(counts[0]), min(counts[1])
-    if not args.dry_run and per_class < (5000, 1000):
+    if not args.dry_run and (per_class[0] < 5000 or per_class[1] < 1000):
         raise UserError(f'--data {args.data} holds {per_class[0]} / {per_class[1]} train / test images in its '
                         'smallest class: the GPU run needs the full CIFAR-10 (5,000 / 1,000); --dry-run takes this')
     return per_class
@@ -208,8 +208,8 @@ def both(fn, device, *inputs):
 
 
 def augment_ops(args, work):
-    """Every op of augment.py on the device against the CPU (AUGMENT_OPS lists them), under setup()'s flags (TF32,
-    cudnn.benchmark, as training runs): TF32 or a kernel that rounds otherwise shows as differing pixels."""
+    """Every op of augment.py on the device against the CPU (tests/test_gpu_check.py lists them), under setup()'s
+    flags (TF32, cudnn.benchmark, as training runs): TF32 or a kernel that rounds otherwise shows as differing pixels."""
     device = setup('auto').device  # TF32 and cudnn flags on, as in every training run
     g = torch.Generator().manual_seed(0)
     B = 64
