@@ -209,7 +209,7 @@ def both(fn, device, *inputs):
 
 def augment_ops(args, work):
     """Every op of augment.py on the device against the CPU (tests/test_gpu_check.py lists them), under setup()'s
-    flags (TF32, cudnn.benchmark, as training runs): TF32 or a kernel that rounds otherwise shows as differing pixels."""
+    flags (TF32, cudnn.benchmark, as in training): TF32 or a kernel that rounds otherwise shows as differing pixels."""
     device = setup('auto').device  # TF32 and cudnn flags on, as in every training run
     g = torch.Generator().manual_seed(0)
     B = 64
