@@ -1,7 +1,7 @@
 """gpu_check.py: every CUDA figure of the repo from one lent GPU, sized to the lease, into ONE JSON file.
 
     python gpu_check.py --data DIR --out OUT                                     # call 1: all but compile, 540 s
-    python gpu_check.py --data DIR --out OUT --parts rest compile --budget-s 240  # call 2: merges into call 1's JSON
+    python gpu_check.py --data DIR --out OUT --parts rest compile --budget-s 200  # call 2: merges into call 1's JSON
     python gpu_check.py --data DIR --out OUT --dry-run                           # any machine: toy sizes (the suite)
 
 DIR: the full CIFAR-10 (train_cifar.py --data; the dry run takes a small copy too). The parts, cheapest first:
@@ -62,8 +62,8 @@ HERE = Path(__file__).resolve().parent
 PARTS = ('versions', 'augment', 'memory', 'syncs', 'cifar', 'bench', 'smoke', 'compile')
 # Seconds a part needs (on an H200, dry run on the suite's 2-core CPU). GPU: sized from the part's work, NOT timed
 # (no GPU has run it yet); dry: measured on the shared VM under load. A part starts only when this much is left.
-NEED_S = dict(versions=(10, 3), augment=(30, 30), memory=(45, 2), syncs=(60, 90), cifar=(180, 40), bench=(150, 90),
-              smoke=(70, 90), compile=(240, 0))
+NEED_S = dict(versions=(5, 3), augment=(30, 30), memory=(30, 2), syncs=(60, 90), cifar=(150, 40), bench=(120, 90),
+              smoke=(60, 90), compile=(180, 0))  # GPU: 455 s for the seven default parts, 180 for compile
 MARGIN_S = 10  # kept back for the last writes and the exit
 SYNC_JOBS = 6  # sync-counting runs at once on the GPU (they time nothing)
 RESULT, LOGS = 'gpu_check.json', 'gpu_check_logs.tar.gz'
