@@ -34,6 +34,7 @@ import convmixer
 import mixer
 import vit
 from data import MEAN, STD
+from models import channels_last
 from runs import save_atomic
 from sam import SAM, first_pass, second_pass
 from utils import UserError
@@ -74,7 +75,8 @@ def get_args(argv=None):
                    'auto = bf16 on CUDA, off on CPU; weights and AdamW stay fp32 (fp16 would need a GradScaler)')
     p.add_argument('--batch-size', type=int, help='images per step for every row (default: per row)')
     p.add_argument('--img-size', type=int, help='image side in px for every model row (default: per row)')
-    p.add_argument('--channels-last', action='store_true', help='NHWC weights and input, both sides')
+    p.add_argument('--channels-last', action=argparse.BooleanOptionalAction, help='NHWC weights and input, both sides; '
+                   'unset: ConvMixer rows on CUDA in both layouts (NHWC is the training default there), else NCHW')
     p.add_argument('--compile', action='store_true', help='also time torch.compile(model), both sides')
     p.add_argument('--min-run-time', type=float, help='seconds blocked_autorange times each step (default 2, full 10)')
     p.add_argument('--json', metavar='FILE', help='also write the rows (seconds, MiB, GFLOP) as JSON')
@@ -205,11 +207,16 @@ def train_gflops(model_fn, px):
     return 3 * counter.get_total_flops() / 1e9
 
 
-def bench_model(name, args, compile=False):
+def layouts(name, args):  # channels_last per row: as asked, else both layouts for a ConvMixer on CUDA
+    both = name.startswith('convmixer') and args.device.type == 'cuda'
+    return [args.channels_last] if args.channels_last is not None else [False, True] if both else [False]
+
+
+def bench_model(name, args, compile=False, nhwc=False):
     px, batch = ROWS[name][1 + args.size]
     px, batch = args.img_size or px, args.batch_size or batch
-    common = (px, batch, args.amp, args.channels_last, args.device, compile)
-    row = dict(row=name, px=px, batch=batch, dtype=args.amp, mode='compile' if compile else 'eager',
+    common = (px, batch, args.amp, nhwc, args.device, compile)
+    row = dict(row=name, px=px, batch=batch, dtype=args.amp, mode=('compile' if compile else 'eager') + ' NHWC' * nhwc,
                ref=f'timm {ROWS[name][0] if isinstance(ROWS[name][0], str) else "ConvMixer(256, 8, k5, p2)"}',
                gflops=train_gflops(lambda: build(name, 'ours', px), px))
     row['sam_m'] = m = args.sam_m if args.sam_m < batch else max(1, batch // 4)  # 32 at 128; small batch: a quarter
@@ -252,10 +259,12 @@ def bench_cifar(args):
                  note='recipe ' + ', '.join(f'{k} {v}' for k, v in recipe.items()))]
     on_device, x = augment.make_augment(**kw, device=args.device), images.to(args.device)
     aug_s = median_s(lambda: on_device(x), args.min_run_time)
-    step = make_step(cfg.model, 'ours', 32, batch, args.amp, args.channels_last, args.device)[0]
+    nhwc = channels_last(args.channels_last, cfg.model, args.device)  # as train_cifar.py runs it
+    step = make_step(cfg.model, 'ours', 32, batch, args.amp, nhwc, args.device)[0]
     step()  # AdamW's state
     train_s = median_s(step, args.min_run_time)
-    rows.append(dict(row=f'cifar step: augment + {cfg.model}', px=32, batch=batch, dtype=args.amp, mode='eager',
+    rows.append(dict(row=f'cifar step: augment + {cfg.model}', px=32, batch=batch, dtype=args.amp,
+                     mode='eager' + ' NHWC' * nhwc,
                      ours_s=aug_s + train_s, aug_s=aug_s, train_s=train_s,
                      note=f'augmentation {100 * aug_s / (aug_s + train_s):.1f}% of the step, on {args.device.type}'))
     return rows
@@ -266,12 +275,21 @@ def fmt(x):
     return '—' if x is None else f'{x:,.0f}' if abs(x) >= 100 else f'{x:.3g}'
 
 
-def table(rows, gpu=None, peak_tflops=None):
+def matmul_peak(device, n=8192):
+    """FLOP/s of one n x n x n bf16 matmul on device (median of blocked_autorange): the achievable peak, measured in
+    the same run as the rows, beside the data sheet's."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n ** 3 / median_s(lambda: a @ b, 2.0)
+
+
+def table(rows, gpu=None, peak_tflops=None, measured=None):
     """The markdown table; gpu = the CUDA device's name adds achieved TFLOP/s (img/s x training FLOP
-    per image) and MFU (achieved / the peak: peak_tflops, else PEAK_BF16[gpu]; neither: no MFU, a note), per side."""
+    per image) and MFU (achieved / the peak: peak_tflops, else PEAK_BF16[gpu]; neither: no MFU, a note), per side;
+    measured (FLOP/s of a large bf16 matmul in this run) adds the MFU of what this GPU achieves."""
     peak = peak_tflops * 1e12 if peak_tflops else PEAK_BF16.get(gpu)
     head = ['row', 'px', 'batch', 'dtype', 'mode', 'ours img/s', 'ref img/s', 'ours/ref', 'SAM/base', 'SAM m/base',
-            'peak MiB ours / ref', 'train GFLOP/img'] + ['TFLOP/s ours / ref', 'MFU ours / ref'] * bool(gpu)
+            'peak MiB ours / ref', 'train GFLOP/img'] + ['TFLOP/s ours / ref', 'MFU ours / ref'] * bool(gpu) + \
+        ['MFU of measured ours / ref'] * bool(gpu and measured)
     lines = ['| ' + ' | '.join(head + ['reference; notes']) + ' |', '|' + '---|' * (len(head) + 1)]
     for r in rows:
         ips = [r['batch'] / r[k] if k in r else None for k in ('ours_s', 'ref_s')]
@@ -282,11 +300,14 @@ def table(rows, gpu=None, peak_tflops=None):
                  f"{fmt(r['ours_mib'])} / {fmt(r['ref_mib'])}" if 'ours_mib' in r else '—', fmt(r.get('gflops'))]
         if gpu:
             tflops = [i * r['gflops'] / 1e3 if i and 'gflops' in r else None for i in ips]
-            cells += [' / '.join(map(fmt, tflops)),
-                      ' / '.join(f'{100e12 * t / peak:.1f}%' if t and peak else '—' for t in tflops)]
+            mfu = [' / '.join(f'{100e12 * t / p:.1f}%' if t and p else '—' for t in tflops) for p in (peak, measured)]
+            cells += [' / '.join(map(fmt, tflops)), mfu[0]] + mfu[1:] * bool(measured)
         lines.append('| ' + ' | '.join(map(str, cells + ['; '.join(r[k] for k in ('ref', 'note') if k in r)])) + ' |')
     if gpu and not peak:
         lines.append(f'\nunknown GPU: give --peak-tflops (its dense bf16 peak) for MFU; {gpu!r} is not in PEAK_BF16')
+    if gpu:
+        lines.append(f'\nMFU: of the data sheet\'s dense bf16 {fmt(peak and peak / 1e12)} TFLOP/s; of measured: of '
+                     f'{fmt(measured and measured / 1e12)} TFLOP/s, one 8192^3 bf16 matmul timed in this run')
     return '\n'.join(lines)
 
 
@@ -311,11 +332,11 @@ def main(argv=None):
     head = header(args, argv)
     print(head, flush=True)
     rows = []
-    for compile in [False] + [True] * args.compile:
-        for name in (r for r in args.rows if r != 'cifar'):
-            print(f'[bench] {name}{" (compile)" * compile} ...', file=sys.stderr, flush=True)
+    for compile, name in ((c, r) for c in [False] + [True] * args.compile for r in args.rows if r != 'cifar'):
+        for nhwc in layouts(name, args):
+            print(f'[bench] {name}{" (compile)" * compile}{" NHWC" * nhwc} ...', file=sys.stderr, flush=True)
             try:
-                rows.append(bench_model(name, args, compile))
+                rows.append(bench_model(name, args, compile, nhwc))
             except Exception as e:  # a compile that fails here is a row of the table, not the end
                 if not compile:
                     raise
@@ -324,9 +345,13 @@ def main(argv=None):
         print('[bench] cifar ...', file=sys.stderr, flush=True)
         rows += bench_cifar(args)
     gpu = torch.cuda.get_device_name(args.device) if args.device.type == 'cuda' else None
-    print(table(rows, gpu, args.peak_tflops))
+    measured = matmul_peak(args.device) if gpu else None
+    print(text := table(rows, gpu, args.peak_tflops, measured))
+    peaks = dict(datasheet_tflops=args.peak_tflops or PEAK_BF16.get(gpu, 0) / 1e12 or None,
+                 measured_tflops=measured and measured / 1e12)
     if args.json:  # (its folder was checked before the benchmark ran)
-        save_atomic(args.json, lambda f: f.write(json.dumps(dict(header=head, rows=rows), indent=1).encode()))
+        save_atomic(args.json, lambda f: f.write(json.dumps(dict(header=head, rows=rows, table=text, **peaks),
+                                                            indent=1).encode()))
 
 
 if __name__ == '__main__':

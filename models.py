@@ -23,6 +23,14 @@ MODEL_FILES = (convmixer, vit, mixer)
 IMAGENET_RESNETS = ('resnet50', 'resnet101', 'resnet152')
 CIFAR_RESNETS = ('resnet18', 'resnet20')
 NAMES = [n for m in MODEL_FILES for n in m.configs] + list(CIFAR_RESNETS + IMAGENET_RESNETS)
+CONVOLUTIONAL = (*convmixer.configs, *CIFAR_RESNETS, *IMAGENET_RESNETS)
+
+
+def channels_last(flag, name, device):
+    """--channels-last / --no-channels-last as given, else (None) on for the convolutional models on CUDA: in bf16
+    NCHW PyTorch sends depthwise convolutions (ConvMixer's) to its slow native kernel, cuDNN's only in NHWC or fp16.
+    ViT and Mixer keep NCHW (one patch convolution, then matmuls)."""
+    return flag if flag is not None else name in CONVOLUTIONAL and torch.device(device).type == 'cuda'
 
 
 def parse_model_kw(items):

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from augment import make_augment
 from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
-from models import build_model, load_weights, parse_model_kw, zero_head
+from models import build_model, channels_last, load_weights, parse_model_kw, zero_head
 from pgd import pgd
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
@@ -89,7 +89,8 @@ def get_args(argv=None):
     g = p.add_argument_group('system')
     g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'],
                    help='auto: bf16 where the GPU has it, else off')
-    g.add_argument('--channels-last', action='store_true', help='NHWC memory format (faster convs on GPU)')
+    g.add_argument('--channels-last', action=argparse.BooleanOptionalAction,
+                   help='NHWC memory format; unset: on for the convolutional models on CUDA (models.channels_last)')
     g.add_argument('--compile', action='store_true', help='torch.compile the model')
     g.add_argument('--seed', type=int, default=0, help='seeds the init, the data order and the augmentation')
     g.add_argument('--eval-batch-size', type=int, default=1024, help='images per rank per eval step')
@@ -243,6 +244,7 @@ def main(argv=None):
     args, t_start = get_args(argv), time.time()
     proc = setup(args.amp)  # rank, device, autocast; cuda:LOCAL_RANK when there is a GPU
     rank, world, device, autocast, log = proc.rank, proc.world, proc.device, proc.autocast, proc.log
+    args.channels_last = channels_last(args.channels_last, args.model, device)  # (stored resolved)
     if not args.eval_only and args.batch_size % world:
         raise UserError(f'--batch-size {args.batch_size} (global) does not divide by the world size {world}')
     batch = args.batch_size // world

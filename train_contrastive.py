@@ -108,6 +108,7 @@ def get_args(argv=None):
     g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'],
                    help='autocast: auto = bf16 on CUDA, off on CPU; fp16 adds a GradScaler')
     g.add_argument('--seed', type=int, default=0, help='seeds the init, the data order and the views')
+    g.add_argument('--channels-last', action=argparse.BooleanOptionalAction, help='NHWC weights (unset: off, a ViT)')
     g.add_argument('--log-every', type=int, default=50, help='a progress line and train row every N steps; 0 = epochs')
     g.add_argument('--out', metavar='DIR', help="default runs/contrastive, or the --resume file's folder")
     g.add_argument('--overwrite', action='store_true', help='replace the run already in --out')
@@ -410,6 +411,7 @@ def make_moco(args):
         full = build_model(args.model, 10, args.img_size, parse_model_kw(args.model_kw), cifar=True)
         load_weights(full, args.checkpoint, finetune=True)
         moco.base_encoder[0].load_state_dict({k: v for k, v in full.state_dict().items() if not k.startswith('head.')})
+    moco.to(memory_format=torch.channels_last if args.channels_last else torch.preserve_format)  # a ViT: as asked
     return moco, ckpt
 
 

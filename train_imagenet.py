@@ -29,11 +29,11 @@ from torchvision.transforms import v2
 
 from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform, on_device
-from models import build_model, load_weights, parse_model_kw
+from models import build_model, channels_last, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
-                   one_line, score, setup, since_checkpoint, wrap_ddp)
+                   micro_batch_cap, one_line, score, setup, since_checkpoint, wrap_ddp)
 
 
 # -----------------------------------------------------------------------------
@@ -55,16 +55,16 @@ RECIPES = {  # completed below with BASE_RECIPE's values where a recipe sets non
 BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_min=0.08, label_smoothing=0.0,
                    randaug_n=0, mixup=0.0, cutmix=0.0, reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear')
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
-DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=256, sam=False,
+DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=0, sam=False,
                 rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=8,
                 synthetic=False)  # the same in every recipe
 RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
-POSITIVE = ['epochs', 'batch_size', 'max_micro_batch', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct',
-            'eval_batch_size']
-NON_NEGATIVE = ['accum_steps', 'sam_m', 'workers', 'warmup_steps', 'wd', 'clip_grad', 'rho', 'label_smoothing',
-                'randaug_n', 'randaug_m', 'mixup', 'cutmix', 'reprob', 'log_every', 'save_every', 'max_steps', 'seed']
+POSITIVE = ['epochs', 'batch_size', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct', 'eval_batch_size']
+NON_NEGATIVE = ['accum_steps', 'max_micro_batch', 'sam_m', 'workers', 'warmup_steps', 'wd', 'clip_grad', 'rho',
+                'label_smoothing', 'randaug_n', 'randaug_m', 'mixup', 'cutmix', 'reprob', 'log_every', 'save_every',
+                'max_steps', 'seed']
 AT_MOST = dict(crop_min=1, crop_pct=1, label_smoothing=1, reprob=1, randaug_m=30)
 
 
@@ -99,14 +99,13 @@ def get_args(argv=None):
     a('--model', 'a config of vit.py, mixer.py, convmixer.py, or resnet50/101/152')
     a('--model-kw', 'constructor overrides, e.g. depth=2 dim=64 (Python literals)', nargs='*', metavar='K=V')
     a('--pretrained', 'fine-tune from these weights: new head, ViT pos_embed resampled', metavar='PATH')
-    a('--channels-last', 'NHWC memory format (faster convs on GPUs)', action='store_true')
+    a('--channels-last', 'NHWC; unset: on for convolutional models on CUDA', action=argparse.BooleanOptionalAction)
     a('--compile', 'torch.compile the model', action='store_true')
     a('--epochs', 'training epochs', type=int)
     a('--batch-size', 'GLOBAL batch of one optimizer step (all processes x --accum-steps)', type=int)
-    a('--accum-steps', 'micro-batches per optimizer step and process (0: the fewest of at most --max-micro-batch)',
-      type=int)
-    a('--max-micro-batch', 'most images per forward pass and process; 256 fits a 40 GB GPU for the B models in bf16 '
-      '(ViT-B/16: ~63 MiB an image)', type=int)
+    a('--accum-steps', 'micro-batches per step and process (0: the fewest of at most --max-micro-batch)', type=int)
+    a('--max-micro-batch', 'most images per forward pass and process; 0: 256 per 40 GiB of the GPU, at least 256, 256 '
+      'on a CPU (utils.micro_batch_cap: 256 fits a 40 GB GPU for the B models in bf16, ~63 MiB an image)', type=int)
     a('--lr', 'peak learning rate (for the recipe\'s --batch-size: scale it with the batch, Goyal et al.)', type=float)
     a('--opt', 'adamw (betas 0.9, 0.999) or sgd (momentum 0.9)', choices=['adamw', 'sgd'])
     a('--opt-eps', 'AdamW epsilon', type=float)
@@ -293,6 +292,7 @@ def make_data(args, proc, micro=0):
 def split_batch(args, world):
     """-> (images per process and step, micro-batches k, m-sharpness group m). The global batch never changes:
     k is --accum-steps, or the fewest micro-batches of at most --max-micro-batch images; m divides a micro-batch."""
+    args.max_micro_batch = args.max_micro_batch or micro_batch_cap()  # derived from this GPU (stored with the run)
     per_step, cap = args.batch_size // world, args.max_micro_batch
     k = args.accum_steps or next(k for k in range(1, per_step + 2) if per_step % k == 0 and per_step // k <= cap)
     if args.batch_size % (world * k):
@@ -349,7 +349,7 @@ def main(argv=None):
     args, t_start = get_args(argv), time.time()
     proc = setup(args.amp)  # rank, device (cuda:LOCAL_RANK when there is a GPU), autocast
     world, rank, distributed, master, device, log = proc.world, proc.rank, proc.ddp, proc.master, proc.device, proc.log
-    fmt = torch.channels_last if args.channels_last else torch.preserve_format
+    fmt = torch.channels_last if channels_last(args.channels_last, args.model, device) else torch.preserve_format
     if not args.eval_only:
         per_step, k, m = split_batch(args, world)
         args.out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else

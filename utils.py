@@ -95,6 +95,17 @@ def setup(amp='auto'):
     return Process(rank, local_rank, world, device, amp, dtype, autocast, world > 1)
 
 
+def micro_batch_cap(device=None):
+    """The default --max-micro-batch (train_imagenet.py): 256 images for every whole 40 GB (4e10 bytes) of the GPU's
+    memory, at least 256; 256 on the CPU. 256 was sized for a 40 GB card and the B models in bf16 (ViT-B/16 SAM:
+    ~63 MiB an image), and activations grow linearly with the batch: an 80 GB card (85.5e9 bytes) gets 512, a 141 GB
+    H200 (150.8e9) 768. gpu_check.py's memory part measures the peak at 64, 256 and this figure."""
+    if not torch.cuda.is_available():
+        return 256
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    return 256 * max(1, props.total_memory // 40_000_000_000)
+
+
 def init_group(proc, timeout_min=60):
     """torchrun's process group: nccl on this process's GPU (not guessed from the global rank), gloo on CPUs; a
     timeout for ranks that wait while rank 0 saves or evaluates (NCCL's default: 10 minutes). No-op alone."""

@@ -243,6 +243,13 @@ def test_gpu_columns_tflops_and_mfu_arithmetic(monkeypatch):
             assert [num(m) for m in mfu] == pytest.approx([100 * 52.8e12 / peak, 100 * 42.24e12 / peak], abs=0.051)
         assert (cifar['TFLOP/s ours / ref'], cifar['MFU ours / ref']) == ('— / —', '— / —')
     assert 'MFU ours / ref' not in markdown_tables(bench.table(rows))[0][0]  # CPU: no GPU columns
+    # beside the data sheet's peak, the one a bf16 matmul measured in the same run (here: made up, 790 TFLOP/s)
+    text = bench.table(rows, 'NVIDIA H200', None, 790e12)
+    vit = markdown_tables(text)[0][0]
+    assert [num(m) for m in vit['MFU of measured ours / ref'].split(' / ')] == pytest.approx(
+        [100 * 52.8 / 790, 100 * 42.24 / 790], abs=0.051)
+    assert "data sheet's dense bf16 990 TFLOP/s" in text and 'of 790 TFLOP/s' in text
+    assert 'MFU of measured' not in markdown_tables(bench.table(rows, 'NVIDIA H200'))[0][0]
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)  # the CUDA defaults
     args = bench.get_args(['--rows', 'vit_b16'])
     assert (args.device.type, args.amp, bench.ROWS['vit_b16'][1 + args.size]) == ('cuda', 'bf16', (224, 128))
