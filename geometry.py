@@ -472,7 +472,8 @@ def get_model(args):
     try:
         model, info = load_model(args.checkpoint, args.model, args.model_kw or None, dataset, count, args.img_size)
     except UserError as e:  # e.g. a head of another class count than the folders
-        raise UserError(f'{e} ({folder} has {count} class folders)' if count else str(e)) from None
+        raise UserError(f'{e}; built here at {first_set(args.img_size, stored.get("img_size"), 224)} px (--img-size) '
+                        f'for the {count} class folders of {folder}' if count else str(e)) from None
     args.model, args.dataset, args.size = info['name'], info['dataset'], info['img_size']
     # ImageNet: the preprocessing our run used (train_imagenet.py stores it), else the .npz's
     args.norm, args.crop_pct, args.interp = (first_set(stored.get(k), d) for k, d in (('norm', 'jax'), ('crop_pct', 0.875),
