@@ -34,8 +34,8 @@ import mixer
 import vit
 from augment import normalize
 from data import MEAN, STD, balanced_subset, evaluate, load_cifar
-from models import build_model, load_model, load_weights, parse_model_kw, run_dataset, zero_head
-from runs import prepare_out, read_checkpoint, save_atomic, stored_args
+from models import build_model, imagenet_only, load_model, load_weights, parse_model_kw, run_dataset, zero_head
+from runs import prepare_out, read_checkpoint, read_json, save_atomic, stored_args
 from utils import (UserError, check_ranges, check_shared_ranges, first_set, fmt_time, init_group, leave, one_line,
                    progress_printer, setup)
 
@@ -458,10 +458,8 @@ def get_model(args):
     """models.load_model (--model, --model-kw: default what our --checkpoint stored) with --seed. -> (model, info)"""
     torch.manual_seed(args.seed)
     stored = (stored_args(args.checkpoint, '--checkpoint') if args.checkpoint else None) or {}
-    dataset, what = run_dataset(stored, args.dataset), args.checkpoint or f'--model {args.model}'
-    if dataset != 'imagenet' and args.img_size is not None:  # (train_cifar.py --img-size: the run's own, stored)
-        raise UserError(f"--img-size only applies to ImageNet models; {what} is a {dataset} model, measured at its "
-                        f"run's size ({stored.get('img_size', 32)} px)")
+    dataset = run_dataset(stored, args.dataset)
+    imagenet_only(dataset, args.checkpoint or f'--model {args.model}', stored, img_size=args.img_size)
     count = None
     if dataset == 'imagenet':  # the labels index the split's sorted class folders: the model has that many outputs
         folder = os.path.join(args.data, 'train' if args.split == 'train' else 'val')
@@ -476,8 +474,8 @@ def get_model(args):
                         f'for the {count} class folders of {folder}' if count else str(e)) from None
     args.model, args.dataset, args.size = info['name'], info['dataset'], info['img_size']
     # ImageNet: the preprocessing our run used (train_imagenet.py stores it), else the .npz's
-    args.norm, args.crop_pct, args.interp = (first_set(stored.get(k), d) for k, d in (('norm', 'jax'), ('crop_pct', 0.875),
-                                                                                  ('eval_interp', 'bilinear')))
+    args.norm, args.crop_pct, args.interp = (first_set(stored.get(k), d) for k, d in (
+        ('norm', 'jax'), ('crop_pct', 0.875), ('eval_interp', 'bilinear')))
     args.classes = info['stored'].get('classes')  # a train_cifar run on some classes only
     return model, dict(model=args.model, model_kw=parse_model_kw(info['model_kw']), checkpoint=args.checkpoint,
                        dataset=args.dataset, init_seed=None if args.checkpoint else args.seed, mode=EVAL_NOTE,
@@ -542,7 +540,7 @@ def measure(args, proc, model, info, path, drawn):
         info['lambda_max'] = info['blocks'].pop('all')
         info.update(iters=args.iters, tol=args.tol, note='largest-|lambda| Hessian eigenvalue, sign kept')
         if stopped := [k for k, ok in info['converged'].items() if not ok]:
-            info['note'] += f'; NOT converged ({", ".join(stopped)}): stopped at --iters before a relative change < --tol'
+            info['note'] += f'; NOT converged ({", ".join(stopped)}): stopped at --iters before a change < --tol'
             say(f'  note: the power iteration of {", ".join(stopped)} stopped at --iters {args.iters} before a '
                 f'relative change < --tol {args.tol:g}: not converged, raise --iters')
     elif args.command == 'ntk':
@@ -647,14 +645,6 @@ def train_flags(want):  # train_cifar.py's command line for the flags in `want` 
     flag = lambda k: '--' + k.replace('_', '-')  # noqa: E731  (a bool by its type: 0 == False, yet --seed 0 is a value)
     return [a for k, v in want.items() for a in ([flag(k)] * v if isinstance(v, bool) else [] if v == [] else
                                                 [flag(k), *v] if isinstance(v, list) else [flag(k), v])]
-
-
-def read_json(path, advice):  # a JSON file this script or its runs wrote, or one line naming it damaged
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f'{path} is damaged ({one_line(e)}); {advice}')
 
 
 LOCK = threading.Lock()

@@ -165,3 +165,11 @@ def run_dataset(stored, dataset=None):
     """The data set of a model: `dataset` given, else what our last.pt stored (train_imagenet's runs store a recipe
     and no dataset; train_cifar's and train_contrastive's their dataset), else cifar10."""
     return dataset or stored.get('dataset') or ('imagenet' if 'recipe' in stored else 'cifar10')
+
+
+def imagenet_only(dataset, what, stored, **flags):
+    """Refuse an ImageNet model's preprocessing flags (those given, not None) for a CIFAR model `what`: it sees its data
+    set's images at its run's size (train_cifar.py --img-size, stored) with their mean/std. One rule, two scripts."""
+    if dataset != 'imagenet' and (given := [k for k, v in flags.items() if v is not None]):
+        raise UserError(f'--{given[0].replace("_", "-")} only applies to ImageNet models; {what} is a {dataset} model, '
+                        f"which sees its run's {stored.get('img_size') or 32} px with its data set's mean/std")

@@ -38,9 +38,9 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, make_dat
 import figures
 from augment import normalize
 from data import MEAN, MEANS, STD, eval_transform, folder_batches, folder_samples, load_cifar
-from models import load_model, zero_head
+from models import imagenet_only, load_model, zero_head
 from pgd import fgsm, pgd
-from runs import save_atomic, stored_args
+from runs import read_json, save_atomic, stored_args
 from utils import (EXTRAS, UserError, check_shared_ranges, epoch_seed, first_set, fmt_time, init_group, leave,
                    one_line, refuse_loose, setup)
 # The benchmark's constants (Hendrycks & Dietterich 2019, Sec. 3 and Fig. 1).
@@ -221,12 +221,8 @@ def open_cache(cache_dir):
     if not os.path.isfile(path):
         raise UserError(f'--cache {cache_dir} is not a cache of robustness.py (no meta.json; a published CIFAR-10-C '
                         'is --benchmark cifar10-c --data DIR): give a new or empty folder')
-    try:
-        with open(path) as f:  # ours starts {"made_by": CACHE_MARK (save_atomic: written whole or not at all)
-            meta = json.loads(text) if CACHE_MARK in (text := f.read()) else None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:  # hand-edited, or not a text file
-        raise UserError(f'--cache {cache_dir}: its meta.json cannot be read ({one_line(e)}); delete the folder or pick '
-                        'another --cache')
+    meta = read_json(path, f'pick another --cache (or delete {cache_dir} if this script made it)')  # (save_atomic:
+    # written whole or not at all: a cut one was edited)
     if not isinstance(meta, dict) or meta.get('made_by') != CACHE_MARK:
         raise UserError(f'--cache {cache_dir}: its meta.json is not robustness.py\'s; give a new or empty folder')
     return meta
@@ -481,16 +477,13 @@ def csv_text(r):
 
 def read_results(path):
     """A results.json of a --benchmark run with corruption cells (what compare draws), or a UserError naming it."""
+    r = read_json(path, 'give results.json files of robustness.py')
     try:
-        with open(path) as f:
-            r = json.load(f)
         sev, num = [list(per) for per in r['acc'].values()], (int, float)
         ok = sev and sev[0] and all(s == sev[0] for s in sev) and set(r['corruption_mean']) == set(r['acc']) and all(
             isinstance(v, num) for v in [r['mean_acc'], r['clean']['acc'], *r['corruption_mean'].values(),
                                          *(a for per in r['acc'].values() for a in per.values())])
         ok = ok and all(isinstance(r[k], str) for k in ('benchmark', 'model', 'checkpoint'))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f'cannot read {path}: {one_line(e)}')
     except (TypeError, KeyError, AttributeError):  # not an object, a key missing, a value of another type
         ok = False
     if not ok:
@@ -560,9 +553,7 @@ def prepare(args):
         raise UserError(f'--benchmark {args.benchmark} needs an ImageNet model; {args.checkpoint} is a {dataset} one')
     if args.benchmark == 'cifar10-c' and dataset != 'cifar10':
         raise UserError(f'CIFAR-10-C has the 10 classes of cifar10; {args.checkpoint} is a {dataset} model')
-    if dataset != 'imagenet' and (given := [k for k in EVAL_PREP if getattr(args, k) is not None]):
-        raise UserError(f'--{given[0].replace("_", "-")} only applies to ImageNet models; {args.checkpoint} is a '
-                        f'{dataset} model, which sees 32 px with its data set\'s mean/std')
+    imagenet_only(dataset, args.checkpoint, stored, **{k: getattr(args, k) for k in EVAL_PREP})
     clean_root = args.clean if args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c') else args.data
     classes, samples = folder_samples(clean_root, args.subset) if dataset == 'imagenet' else (None, None)  # (sorted)
     try:  # a real write now, not after hours of evaluation (permission bits do not stop root)

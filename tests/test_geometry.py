@@ -521,8 +521,9 @@ def test_table1_gpu_preset_end_to_end_at_a_tiny_size(cifar10_dir, tmp_path, monk
             'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=16', 'depth=1', 'tokens_mlp_dim=8',
                                          'channels_mlp_dim=32'], 80, 2e-3, 0.1)}
     monkeypatch.setitem(G.PRESETS['gpu'], 'table', tiny)
-    G.main(['table1', '--preset', 'gpu', '--data', str(cifar10_dir), '--out', str(tmp_path), '--train-subset', '600',
-            '--epochs-scale', '0.01', '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0'])
+    argv = ['table1', '--preset', 'gpu', '--data', str(cifar10_dir), '--out', str(tmp_path), '--train-subset', '600',
+            '--epochs-scale', '0.01', '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0']
+    G.main(argv)
     table = json.loads((tmp_path / 'table1.json').read_text())
     assert [r['run'] for r in table['rows']] == ['resnet20_adamw', 'resnet20_sam', 'vit_adamw', 'vit_sam',
                                                  'mixer_adamw', 'mixer_sam']
@@ -531,6 +532,11 @@ def test_table1_gpu_preset_end_to_end_at_a_tiny_size(cifar10_dir, tmp_path, monk
         assert (ran['amp'], ran['batch_size'], ran['train_subset'], ran['epochs']) == ('off', 512, 600, 1)
         assert math.isfinite(r['lambda_max']) and r['train_error'] > G.LOW_ERROR
     assert 'training error above 5%: resnet20_adamw' in (tmp_path / 'table1.md').read_text()
+    # K12: the table moved away as the refusal says, the same command reuses every finished run (no training)
+    os.rename(tmp_path / 'table1.json', tmp_path / 'old.json')
+    monkeypatch.setattr(G, 'script', lambda *a: pytest.fail(f'trained again: {a}'))
+    G.main(argv)
+    assert json.loads((tmp_path / 'table1.json').read_text())['rows'] == table['rows']
 
 
 def test_table1_gpu_preset_models_build():
@@ -618,8 +624,8 @@ def test_table1_command_lines_carry_every_flag_it_compares(preset, tmp_path):
     table, n = G.PRESETS[preset]['table'], G.PRESETS[preset]['train_subset']
     for f, (m, kw, ep, lr, rho) in table.items():
         for sam in (False, True):
-            want = dict(model=m, model_kw=kw, epochs=ep, lr=lr, train_subset=n, batch_size=G.PRESETS[preset]['batch_size'],
-                        **G.TRAIN_FLAGS, sam=sam, **(dict(rho=rho) if sam else {}))
+            want = dict(model=m, model_kw=kw, epochs=ep, lr=lr, train_subset=n,
+                        batch_size=G.PRESETS[preset]['batch_size'], **G.TRAIN_FLAGS, sam=sam, **(dict(rho=rho) if sam else {}))
             got = vars(train_cifar.get_args(['--data', args.data, *map(str, G.train_flags(want)), '--out', 'x']))
             assert {k: got[k] for k in want} == want
 
@@ -646,7 +652,7 @@ def test_table1_reuses_finished_runs_and_names_damaged_or_other_ones(tmp_path, m
     finished_run(tmp_path / 'runs' / 'cut', want, 2)
     text = (tmp_path / 'runs' / 'cut' / 'args.json').read_text()
     (tmp_path / 'runs' / 'cut' / 'args.json').write_text(text[:len(text) // 2])
-    with pytest.raises(G.UserError, match=r'runs/cut/args.json is damaged \(.*\); move the run away'):
+    with pytest.raises(G.UserError, match=r'runs/cut/args.json cannot be read \(.*\); move the run away'):
         G.train_run(args, 'cut', want)
     assert (tmp_path / 'runs' / 'cut' / 'args.json').read_text() == text[:len(text) // 2] and not started
 
@@ -684,12 +690,12 @@ def tiny_vit_run(path, zero_head=False, **args):  # a last.pt of ours: a 2-block
 @pytest.mark.parametrize('case, argv, words', [
     ('M01', ['landscape', '--steps', '4'], '--steps must be odd and >= 3 (a grid through 0)'),
     ('M02', ['hessian', '--img-size', '64'], "--img-size only applies to ImageNet models; {ck} is a cifar10 model, "
-                                             "measured at its run's size (32 px)"),
+                                             "which sees its run's 32 px with its data set's mean/std"),
     ('img-size-0', ['hessian', '--img-size', '0'], '--img-size must be a finite number > 0, got 0'),
-    ('seed-huge', ['neurons', '--seed', str(10 ** 23)], '--seed must be a finite number >= 0 and <= 18446744073709551615'),
+    ('seed-huge', ['neurons', '--seed', str(10 ** 23)], '--seed must be a finite number >= 0 and <= 1844674407370955'),
     ('seed-negative', ['neurons', '--seed', '-1'], '--seed must be a finite number >= 0'),
     ('G04', ['ntk', '--checkpoint', '{zero}'], 'has an all-zero classifier: fine-tune it first (train_cifar.py '
-                                               '--pretrained), or pass --keep-zero-head to measure the collapsed kernel'),
+     '--pretrained), or pass --keep-zero-head to measure the collapsed kernel'),
     ('zero-landscape', ['landscape', '--checkpoint', '{zero}'], 'has an all-zero classifier'),
 ])
 def test_issue34_bad_inputs_are_one_true_line(case, argv, words, cifar10_dir, tmp_path):

@@ -671,7 +671,7 @@ def test_damaged_cache_and_benchmark_files_are_one_line(trained, cifar10_dir, tm
     rb.corruption_accuracy(model, xt[:10], yt[:10], MEAN, STD, ['gaussian_noise'], cache_dir=str(cache))
     meta = (cache / 'meta.json').read_text()
     (cache / 'meta.json').write_text(meta.replace('"seed"', 'seed', 1))
-    refused([*common, '--cache', cache], f'--cache {cache}: its meta.json cannot be read (Expecting property name',
+    refused([*common, '--cache', cache], f'{cache / "meta.json"} cannot be read (Expecting property name',
             tmp_path / 'o', cache)
     (cache / 'meta.json').write_text(meta)
     npy = (cache / 'gaussian_noise.npy').read_bytes()
@@ -709,7 +709,7 @@ def test_compare_refuses_files_that_hold_no_cells_and_runs_over_other_corruption
                         'undamaged results.json of --benchmark imagenet-c, cifar10-c or corrupt)'), code
     (tmp_path / 'cut.json').write_text(good.read_text()[:20])
     assert cli(['compare', good, tmp_path / 'cut.json', '--out', tmp_path / 'x.png']).startswith(
-        f'robustness.py: error: cannot read {tmp_path / "cut.json"}: ')
+        f'robustness.py: error: {tmp_path / "cut.json"} cannot be read (')
     fog = write('fog.json', run(['fog', 'contrast']))
     assert cli(['compare', good, fog, '--out', tmp_path / 'x.png']) == (
         f'robustness.py: error: {fog} covers the corruptions fog, contrast, {good} gaussian_noise: their means are '
