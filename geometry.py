@@ -504,13 +504,14 @@ def main(argv=None):
     # a MoCo backbone: its loss is log(C) flat, its NTK only the head's rows (the Gram of its features); attention
     # and neurons do not use the classifier
     loss = args.command in ('hessian', 'landscape', 'flatness') or args.command == 'ntk' and not args.keep_zero_head
-    if args.checkpoint and loss and zero_head(model):
+    if (zero := bool(args.checkpoint) and zero_head(model)) and loss:
         raise UserError(f'{args.checkpoint} has an all-zero classifier: fine-tune it first (train_cifar.py '
                         '--pretrained)' + ', or pass --keep-zero-head to measure the collapsed kernel' * (
                             args.command == 'ntk'))
     # the official zero head is drawn on the CPU, before the move: the same draw on every device
     drawn = args.command == 'ntk' and not (args.checkpoint or args.keep_zero_head) and draw_zero_head_(model, args.seed)
     init_group(proc)
+    info['head_zero'] = zero
     try:
         measure(args, proc, model.to(proc.device), info, path, drawn)
     finally:
@@ -546,8 +547,8 @@ def measure(args, proc, model, info, path, drawn):
     elif args.command == 'ntk':
         calibrated = not args.checkpoint and calibrate_batchnorm_(model, [(x,)])
         kappa, eig = ntk_condition_number(model, x, args.reduce, args.chunk or None, progress=log)
-        zero = zero_head(model)  # (--keep-zero-head): Theta is only the head's rows, the Gram of its features
-        info.update(kappa=kappa, reduce=args.reduce, head_drawn=drawn, bn_calibrated=calibrated, head_zero=zero,
+        zero = info['head_zero']  # (--keep-zero-head): Theta is only the head's rows, the Gram of its features
+        info.update(kappa=kappa, reduce=args.reduce, head_drawn=drawn, bn_calibrated=calibrated,
                     eigenvalues=eig.tolist(), note='all trainable parameters, eval mode' + '; BatchNorm statistics '
                     'of these images' * calibrated + "; the official init's zero head drawn like the other dense "
                     'layers' * drawn + '; the head is all zeros: a collapsed kernel, the Gram of its features' * zero)

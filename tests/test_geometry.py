@@ -521,7 +521,7 @@ def test_table1_gpu_preset_end_to_end_at_a_tiny_size(cifar10_dir, tmp_path, monk
             'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=16', 'depth=1', 'tokens_mlp_dim=8',
                                          'channels_mlp_dim=32'], 80, 2e-3, 0.1)}
     monkeypatch.setitem(G.PRESETS['gpu'], 'table', tiny)
-    argv = ['table1', '--preset', 'gpu', '--data', str(cifar10_dir), '--out', str(tmp_path), '--train-subset', '600',
+    argv = ['table1', '--preset', 'gpu', '--data', str(cifar10_dir), '--out', str(tmp_path), '--train-subset', '1024',
             '--epochs-scale', '0.01', '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0']
     G.main(argv)
     table = json.loads((tmp_path / 'table1.json').read_text())
@@ -529,7 +529,7 @@ def test_table1_gpu_preset_end_to_end_at_a_tiny_size(cifar10_dir, tmp_path, monk
                                                  'mixer_adamw', 'mixer_sam']
     for r in table['rows']:
         ran = json.loads((tmp_path / 'runs' / r['run'] / 'args.json').read_text())
-        assert (ran['amp'], ran['batch_size'], ran['train_subset'], ran['epochs']) == ('off', 512, 600, 1)
+        assert (ran['amp'], ran['batch_size'], ran['train_subset'], ran['epochs']) == ('off', 512, 1024, 1)
         assert math.isfinite(r['lambda_max']) and r['train_error'] > G.LOW_ERROR
     assert 'training error above 5%: resnet20_adamw' in (tmp_path / 'table1.md').read_text()
     # K12: the table moved away as the refusal says, the same command reuses every finished run (no training)
@@ -550,7 +550,7 @@ VIT = ['--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=16', 'heads=2', 'pat
 
 
 @pytest.mark.parametrize('case, argv, words', [
-    ('steps-1', ['landscape', *VIT, '--steps', '1'], '--steps must be >= 2'),
+    ('steps-1', ['landscape', *VIT, '--steps', '1'], '--steps must be odd and >= 3'),
     ('span-nan', ['landscape', *VIT, '--span', 'nan'], '--span must be a finite number > 0, got nan'),
     ('sigma-nan', ['flatness', *VIT, '--sigma', 'nan'], '--sigma finite and >= 0'),
     ('tol-negative', ['hessian', *VIT, '--tol', '-1'], '--tol must be a finite number >= 0, got -1.0'),
