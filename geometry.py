@@ -460,12 +460,12 @@ def get_model(args):
     stored = (stored_args(args.checkpoint, '--checkpoint') if args.checkpoint else None) or {}
     dataset = run_dataset(stored, args.dataset)
     imagenet_only(dataset, args.checkpoint or f'--model {args.model}', stored, img_size=args.img_size)
-    count = None
-    if dataset == 'imagenet':  # the labels index the split's sorted class folders: the model has that many outputs
+    count = None  # ImageNet: the labels index the split's sorted class folders, the model has as many outputs
+    if dataset == 'imagenet':
         folder = os.path.join(args.data, 'train' if args.split == 'train' else 'val')
-        try:
+        try:  # (none, a file, no class folders)
             count = len(find_classes(folder)[0])
-        except (FileNotFoundError, NotADirectoryError) as e:  # none, a file, no class folders
+        except (FileNotFoundError, NotADirectoryError) as e:
             raise UserError(f'--data {args.data}: {one_line(e)}; {data.LAYOUT}')
     try:
         model, info = load_model(args.checkpoint, args.model, args.model_kw or None, dataset, count, args.img_size)
@@ -537,13 +537,12 @@ def measure(args, proc, model, info, path, drawn):
             info['blocks'][name] = hessian_eigenvalue(model, F.cross_entropy, batches, params, args.iters, args.tol,
                                                       args.seed, progress=log, report=report)
             info['converged'][name] = report['converged']
-            say(f"  lambda_max {name:24s} {info['blocks'][name]:.6g}" + ' (NOT converged)' * (not report['converged']))
-        info['lambda_max'] = info['blocks'].pop('all')
-        info.update(iters=args.iters, tol=args.tol, note='largest-|lambda| Hessian eigenvalue, sign kept')
-        if stopped := [k for k, ok in info['converged'].items() if not ok]:
-            info['note'] += f'; NOT converged ({", ".join(stopped)}): stopped at --iters before a change < --tol'
-            say(f'  note: the power iteration of {", ".join(stopped)} stopped at --iters {args.iters} before a '
-                f'relative change < --tol {args.tol:g}: not converged, raise --iters')
+            say(f"  lambda_max {name:24s} {info['blocks'][name]:.6g}" + f' (NOT converged: --iters {args.iters} ended '
+                'it before a relative change < --tol; raise --iters)' * (not report['converged']))
+        stopped = ', '.join(k for k, ok in info['converged'].items() if not ok)
+        info.update(lambda_max=info['blocks'].pop('all'), iters=args.iters, tol=args.tol,
+                    note='largest-|lambda| Hessian eigenvalue, sign kept' + f'; NOT converged ({stopped}): --iters '
+                    'came before --tol' * bool(stopped))
     elif args.command == 'ntk':
         calibrated = not args.checkpoint and calibrate_batchnorm_(model, [(x,)])
         kappa, eig = ntk_condition_number(model, x, args.reduce, args.chunk or None, progress=log)
@@ -622,18 +621,24 @@ def script(name, argv, log_path):
         raise UserError(f'{name} failed (exit {r.returncode}); see {log_path}')
 
 
+def finished(args, run, want):
+    """Whether OUT/runs/RUN holds this run, finished; a folder of another run (or a damaged one) is refused."""
+    folder = os.path.join(args.out, 'runs', run)
+    if not os.path.exists(os.path.join(folder, 'args.json')):
+        return False
+    have = read_json(os.path.join(folder, 'args.json'), 'move the run away')
+    # log_every changes the console only (runs of table1 before issue 34 stored train_cifar's default, 50)
+    if differ := [k for k, v in want.items() if k != 'log_every' and have.get(k) != v]:
+        raise UserError(f'{folder} holds another run ({", ".join(differ)} differ); move it away or pick another --out')
+    return read_checkpoint(os.path.join(folder, 'last.pt'), 'table1 run').get('epoch', 0) >= want['epochs']
+
+
 def train_run(args, run, want):
     """train_cifar.py into OUT/runs/RUN (log OUT/logs/RUN.log); a finished run reused, another run's refused."""
     folder = os.path.join(args.out, 'runs', run)
     last, log = os.path.join(folder, 'last.pt'), os.path.join(args.out, 'logs', f'{run}.log')
-    if os.path.exists(os.path.join(folder, 'args.json')):
-        have = read_json(os.path.join(folder, 'args.json'), 'move the run away')
-        # log_every changes the console only (runs of table1 before issue 34 stored train_cifar's default, 50)
-        if differ := [k for k, v in want.items() if k != 'log_every' and have.get(k) != v]:
-            raise UserError(f'{folder} holds another run ({", ".join(differ)} differ); move it away or pick '
-                            'another --out')
-        if read_checkpoint(last, 'table1 run').get('epoch', 0) >= want['epochs']:
-            return print(f'  {run}: finished run in {folder}, reused', flush=True)
+    if finished(args, run, want):
+        return print(f'  {run}: finished run in {folder}, reused', flush=True)
     argv = ['--data', args.data, *train_flags(want), *(['--resume', last] if os.path.exists(last) else
                                                         ['--out', folder])]
     print(f'  {run}: train_cifar.py {" ".join(map(str, argv))}', flush=True)
@@ -699,6 +704,8 @@ def table1(args, proc):
                                train_subset=args.train_subset, batch_size=preset['batch_size'], **TRAIN_FLAGS,
                                sam=opt == 'sam', **(dict(rho=rho) if opt == 'sam' else {}))
             for opt in ('sam', 'adamw') for f, (m, kw, ep, lr, rho) in args.table.items()}  # longer SAM runs first
+    for run, want in runs.items():  # every run folder checked now, not after hours of the others' training
+        finished(args, run, want)
     print(f'geometry.py table1 --preset {args.preset} | {len(runs)} runs on {args.train_subset:,} CIFAR-10 training '
           f'images, trained in fp32 | measured on {proc.device}, {PRECISION} | {EVAL_NOTE}')
     dev, (train_u8, train_y), (test_u8, test_y) = proc.device, *(load_cifar(args.data, 'cifar10', t, k)

@@ -625,7 +625,8 @@ def test_table1_command_lines_carry_every_flag_it_compares(preset, tmp_path):
     for f, (m, kw, ep, lr, rho) in table.items():
         for sam in (False, True):
             want = dict(model=m, model_kw=kw, epochs=ep, lr=lr, train_subset=n,
-                        batch_size=G.PRESETS[preset]['batch_size'], **G.TRAIN_FLAGS, sam=sam, **(dict(rho=rho) if sam else {}))
+                        batch_size=G.PRESETS[preset]['batch_size'], **G.TRAIN_FLAGS, sam=sam,
+                        **(dict(rho=rho) if sam else {}))
             got = vars(train_cifar.get_args(['--data', args.data, *map(str, G.train_flags(want)), '--out', 'x']))
             assert {k: got[k] for k in want} == want
 
@@ -728,7 +729,8 @@ def test_hessian_that_stops_at_iters_says_it_did_not_converge(cifar10_dir, tmp_p
     G.main([*common, '--iters', '1', '--out', str(tmp_path / 'one')])
     one = json.loads((tmp_path / 'one' / 'hessian.json').read_text())
     assert one['converged'] == {'all': False} and 'NOT converged (all)' in one['note']
-    assert 'not converged, raise --iters' in capsys.readouterr().out
+    assert '(NOT converged: --iters 1 ended it before a relative change < --tol; raise --iters)' in \
+        capsys.readouterr().out
     G.main([*common, '--iters', '200', '--tol', '1e-2', '--out', str(tmp_path / 'many')])
     assert json.loads((tmp_path / 'many' / 'hessian.json').read_text())['converged'] == {'all': True}
 
