@@ -37,7 +37,7 @@ from data import MEAN, STD
 from models import channels_last
 from runs import save_atomic
 from sam import SAM, first_pass, second_pass
-from utils import UserError
+from utils import UserError, refuse_loose
 
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
 # size on CPU, at full size on CUDA). --quick keeps the paper sizes but small batches, and runs
@@ -91,6 +91,9 @@ def get_args(argv=None):
     for name in ('batch_size', 'img_size', 'min_run_time', 'peak_tflops', 'sam_m'):
         if (v := getattr(args, name)) is not None and not (math.isfinite(v) and v > 0):  # nan: blocked_autorange hangs
             raise UserError(f'--{name.replace("_", "-")} must be a finite number > 0, got {v}')
+    cuda = args.device == 'cuda' or (args.device == 'auto' and torch.cuda.is_available())
+    refuse_loose(p, argv, [(set(args.rows) - {'cifar'}, 'a model row in --rows (the cifar row: 32 px, eager, no SAM)',
+                            ('img_size', 'sam_m', 'compile')), (cuda, 'a GPU (MFU)', ('peak_tflops',))])
     for name in (r for r in args.rows if args.img_size and r != 'cifar'):  # before building: one line, not a traceback
         patch = {'vit': vit, 'mixer': mixer, 'convmixer': convmixer}[name.split('_')[0]].configs[name]['patch_size']
         if args.img_size % patch if not name.startswith('convmixer') else args.img_size < patch:
@@ -105,7 +108,6 @@ def get_args(argv=None):
             raise UserError(f'--json {args.json} cannot be written: {e.strerror or e}')
     if args.device == 'cuda' and not torch.cuda.is_available():
         raise UserError('--device cuda, but torch.cuda.is_available() is False; use --device cpu')
-    cuda = args.device == 'cuda' or (args.device == 'auto' and torch.cuda.is_available())
     args.device = torch.device('cuda' if cuda else 'cpu')
     args.amp = args.amp if args.amp != 'auto' else ('bf16' if cuda else 'off')
     args.min_run_time = args.min_run_time or (2.0 if args.quick else 10.0)

@@ -99,7 +99,8 @@ def evaluate(model, x_u8, y, mean, std, batch_size=1024, rank=0, world=1, autoca
     return score(model, batches, autocast, world > 1)
 
 
-def measurement_images(root, dataset, train, n, img_size, norm='jax', classes=None, rank=0, world=1):
+def measurement_images(root, dataset, train, n, img_size, norm='jax', classes=None, rank=0, world=1, crop_pct=0.875,
+                       interp='bilinear'):
     """n images for a measurement (geometry.py), this process's slice [n r / W, n (r + 1) / W) of them (as evaluate).
     CIFAR: class-balanced, normalised and upsampled as train_cifar.py feeds them; 'imagenet': DIR/train or DIR/val,
     evenly over the sorted images, the eval crop. -> (x, y, the images in [0, 1] for figures, n of all processes)"""
@@ -107,7 +108,7 @@ def measurement_images(root, dataset, train, n, img_size, norm='jax', classes=No
         folder = os.path.join(root, 'train' if train else 'val')
         if not os.path.isdir(folder):
             raise UserError(f'{folder} is not a folder; {LAYOUT}')
-        ds = torchvision.datasets.ImageFolder(folder, eval_transform(img_size, norm=norm))
+        ds = torchvision.datasets.ImageFolder(folder, eval_transform(img_size, crop_pct, interp, norm))
         pick = torch.linspace(0, len(ds) - 1, min(n, len(ds))).long()  # only this process's images are read
         x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1]))
                                       for i in pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]]))
@@ -230,10 +231,11 @@ class Samples(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, i):
-        try:
-            return self.transform(default_loader(self.samples[i][0])), self.samples[i][1], i
+        try:  # only decoding: an error of the transform (e.g. an impossible resize) is not the file's
+            image = default_loader(self.samples[i][0])
         except (OSError, ValueError):  # PIL: cannot identify image file, truncated, ...
             return torch.zeros(3, *self.size, dtype=torch.uint8), -1, i
+        return self.transform(image), self.samples[i][1], i
 
 
 def folder_batches(samples, transform, batch_size, workers, rank, world):

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parameters_to_vector
+from torchvision.datasets.folder import find_classes
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 import convmixer
@@ -33,9 +34,10 @@ import mixer
 import vit
 from augment import normalize
 from data import MEAN, STD, balanced_subset, evaluate, load_cifar
-from models import build_model, load_model, load_weights, parse_model_kw, zero_head
-from runs import prepare_out, save_atomic
-from utils import UserError, check_ranges, fmt_time, init_group, leave, progress_printer, setup
+from models import build_model, imagenet_only, load_model, load_weights, parse_model_kw, run_dataset, zero_head
+from runs import prepare_out, read_checkpoint, read_json, save_atomic, stored_args
+from utils import (UserError, check_ranges, check_shared_ranges, first_set, fmt_time, init_group, leave, one_line,
+                   progress_printer, setup)
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 PRECISION = 'fp32, TF32 off'
@@ -93,7 +95,8 @@ def param_blocks(model):
     return groups
 
 
-def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4, seed=0, *, progress=None):
+def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4, seed=0, *, progress=None,
+                       report=None):
     """The dominant eigenvalue of the Hessian of the mean loss over `batches` (a re-iterable of (x, y);
     loss_fn(model(x), y) a batch mean; batches weighted by size, as PyHessian does over a loader).
     params: a block of parameters (param_blocks()) for that diagonal block of the Hessian; default all.
@@ -139,6 +142,8 @@ def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4
                          f'| {time.time() - start:.0f} s')
             if change < tol:
                 break
+    if report is not None:  # whether it stopped at tol, or at iters with a value that may be far off (issue 34)
+        report.update(iterations=i + 1, converged=change < tol)
     return eig
 
 
@@ -393,7 +398,8 @@ def get_args(argv=None):
                        'none = the freshly initialised model (--seed)')
         s.add_argument('--data', required=True, metavar='DIR', help='what the training script takes as --data')
         s.add_argument('--dataset', choices=sorted(NUM_CLASSES), help='default: our checkpoint\'s, else cifar10')
-        s.add_argument('--img-size', type=int, default=224, help='ImageNet input size, px (CIFAR: 32)')
+        s.add_argument('--img-size', type=int, help="ImageNet models' input px (default: our last.pt's, else 224); "
+                       "CIFAR models see their run's own")
         s.add_argument('--split', default='train', choices=['train', 'test'], help='which images (ImageNet: val)')
         s.add_argument('--images', type=int, default=N_DEFAULT[name], help='images (CIFAR: class-balanced)')
         s.add_argument('--batch-size', type=int, default=250, help='images per forward (memory only)')
@@ -406,7 +412,8 @@ def get_args(argv=None):
     subs['ntk'].add_argument('--reduce', default='trace', choices=['trace', 'sum', 'full'], help='trace: sum of '
                              'per-class kernels; sum: of the summed logits (TE-NAS, AsViT); full: (nC x nC)')
     subs['ntk'].add_argument('--chunk', type=int, default=0, help='images per Jacobian chunk; 0 = all at once')
-    subs['ntk'].add_argument('--keep-zero-head', action='store_true', help='do not draw an all-zero head')
+    subs['ntk'].add_argument('--keep-zero-head', action='store_true', help='at init: do not draw an all-zero head; '
+                             'a --checkpoint with one: measure it (refused without)')
     subs['landscape'].add_argument('--dims', type=int, default=2, choices=[1, 2])
     subs['landscape'].add_argument('--steps', type=int, default=21, help='grid points per direction')
     subs['landscape'].add_argument('--span', type=float, default=1.0, help='coordinates in [-span, span]')
@@ -431,8 +438,10 @@ def get_args(argv=None):
     check_ranges(args, has('images', 'batch_size', 'iters', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n', 'span',
                            'epochs_scale'), has('chunk', 'train_subset', 'tol', 'corruption_n'),
                  dict(corruption_n=10_000))
-    if getattr(args, 'steps', 2) < 2 or not all(math.isfinite(v) and v >= 0 for v in getattr(args, 'sigma', [])):
-        raise UserError('--steps must be >= 2 (a grid through 0) and --sigma finite and >= 0')
+    check_shared_ranges(args, 'img_size', 'seed')
+    if getattr(args, 'steps', 3) < 3 or getattr(args, 'steps', 3) % 2 == 0 or not all(
+            math.isfinite(v) and v >= 0 for v in getattr(args, 'sigma', [])):  # (an even grid has no point at 0)
+        raise UserError('--steps must be odd and >= 3 (a grid through 0) and --sigma finite and >= 0')
     if os.path.isfile(args.out):
         raise UserError(f'--out {args.out} is a file; pass a folder')
     return args
@@ -448,10 +457,25 @@ def write_json(path, obj):  # atomically (runs.save_atomic); inf / nan are writt
 def get_model(args):
     """models.load_model (--model, --model-kw: default what our --checkpoint stored) with --seed. -> (model, info)"""
     torch.manual_seed(args.seed)
-    model, info = load_model(args.checkpoint, args.model, args.model_kw or None, args.dataset,
-                             img_size=args.img_size if args.dataset == 'imagenet' else None)
+    stored = (stored_args(args.checkpoint, '--checkpoint') if args.checkpoint else None) or {}
+    dataset = run_dataset(stored, args.dataset)
+    imagenet_only(dataset, args.checkpoint or f'--model {args.model}', stored, img_size=args.img_size)
+    count = None  # ImageNet: the labels index the split's sorted class folders, the model has as many outputs
+    if dataset == 'imagenet':
+        folder = os.path.join(args.data, 'train' if args.split == 'train' else 'val')
+        try:  # (none, a file, no class folders)
+            count = len(find_classes(folder)[0])
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise UserError(f'--data {args.data}: {one_line(e)}; {data.LAYOUT}')
+    try:
+        model, info = load_model(args.checkpoint, args.model, args.model_kw or None, dataset, count, args.img_size)
+    except UserError as e:  # e.g. a head of another class count than the folders
+        raise UserError(f'{e}; built here at {first_set(args.img_size, stored.get("img_size"), 224)} px (--img-size) '
+                        f'for the {count} class folders of {folder}' if count else str(e)) from None
     args.model, args.dataset, args.size = info['name'], info['dataset'], info['img_size']
-    args.norm = info['stored'].get('norm', 'jax')  # ImageNet: the preprocessing our run used, else the .npz's
+    # ImageNet: the preprocessing our run used (train_imagenet.py stores it), else the .npz's
+    args.norm, args.crop_pct, args.interp = (first_set(stored.get(k), d) for k, d in (
+        ('norm', 'jax'), ('crop_pct', 0.875), ('eval_interp', 'bilinear')))
     args.classes = info['stored'].get('classes')  # a train_cifar run on some classes only
     return model, dict(model=args.model, model_kw=parse_model_kw(info['model_kw']), checkpoint=args.checkpoint,
                        dataset=args.dataset, init_seed=None if args.checkpoint else args.seed, mode=EVAL_NOTE,
@@ -477,12 +501,17 @@ def main(argv=None):
     model, info = get_model(args)
     if args.command == 'attention' and getattr(model, 'num_prefix_tokens', 0) != 1:
         raise UserError(f'attention reads a ViT\'s class token; {args.model} is a {type(model).__name__} without one')
-    if args.checkpoint and args.command != 'ntk' and zero_head(model):  # a MoCo backbone: its loss is log(C) flat
+    # a MoCo backbone: its loss is log(C) flat, its NTK only the head's rows (the Gram of its features); attention
+    # and neurons do not use the classifier
+    loss = args.command in ('hessian', 'landscape', 'flatness') or args.command == 'ntk' and not args.keep_zero_head
+    if (zero := bool(args.checkpoint) and zero_head(model)) and loss:
         raise UserError(f'{args.checkpoint} has an all-zero classifier: fine-tune it first (train_cifar.py '
-                        '--pretrained)')
+                        '--pretrained)' + ', or pass --keep-zero-head to measure the collapsed kernel' * (
+                            args.command == 'ntk'))
     # the official zero head is drawn on the CPU, before the move: the same draw on every device
     drawn = args.command == 'ntk' and not (args.checkpoint or args.keep_zero_head) and draw_zero_head_(model, args.seed)
     init_group(proc)
+    info['head_zero'] = zero
     try:
         measure(args, proc, model.to(proc.device), info, path, drawn)
     finally:
@@ -493,7 +522,7 @@ def measure(args, proc, model, info, path, drawn):
     """One sub-command on this process's device and images; rank 0 prints and writes."""
     say, size = proc.log, args.batch_size  # this process's images, all on the device (n: of every process)
     x, y, shown, n = data.measurement_images(args.data, args.dataset, args.split == 'train', args.images, args.size,
-                                             args.norm, args.classes, proc.rank, proc.world)
+                                             args.norm, args.classes, proc.rank, proc.world, args.crop_pct, args.interp)
     batches = [(xb.to(proc.device), yb.to(proc.device)) for xb, yb in zip(x.split(size), y.split(size))]
     x = x.to(proc.device) if args.command in ('ntk', 'attention') else None
     info.update(split=args.split, n=n, device=str(proc.device), processes=proc.world, precision=PRECISION)
@@ -502,20 +531,26 @@ def measure(args, proc, model, info, path, drawn):
         f'{args.split} images | {proc.device} x {proc.world} | {PRECISION} | {EVAL_NOTE}')
     start, log = time.time(), progress_printer(args.command) if proc.master else None
     if args.command == 'hessian':
-        info['blocks'] = {}
+        info['blocks'], info['converged'] = {}, {}
         for name, params in [('all', None), *(param_blocks(model).items() if args.blocks else [])]:
+            report = dict(converged=True)  # (H v = 0 returns at once: exact)
             info['blocks'][name] = hessian_eigenvalue(model, F.cross_entropy, batches, params, args.iters, args.tol,
-                                                      args.seed, progress=log)
-            say(f"  lambda_max {name:24s} {info['blocks'][name]:.6g}")
-        info['lambda_max'] = info['blocks'].pop('all')
-        info.update(iters=args.iters, tol=args.tol, note='largest-|lambda| Hessian eigenvalue, sign kept')
+                                                      args.seed, progress=log, report=report)
+            info['converged'][name] = report['converged']
+            say(f"  lambda_max {name:24s} {info['blocks'][name]:.6g}" + f' (NOT converged: --iters {args.iters} ended '
+                'it before a relative change < --tol; raise --iters)' * (not report['converged']))
+        stopped = ', '.join(k for k, ok in info['converged'].items() if not ok)
+        info.update(lambda_max=info['blocks'].pop('all'), iters=args.iters, tol=args.tol,
+                    note='largest-|lambda| Hessian eigenvalue, sign kept' + f'; NOT converged ({stopped}): --iters '
+                    'came before --tol' * bool(stopped))
     elif args.command == 'ntk':
         calibrated = not args.checkpoint and calibrate_batchnorm_(model, [(x,)])
         kappa, eig = ntk_condition_number(model, x, args.reduce, args.chunk or None, progress=log)
+        zero = info['head_zero']  # (--keep-zero-head): Theta is only the head's rows, the Gram of its features
         info.update(kappa=kappa, reduce=args.reduce, head_drawn=drawn, bn_calibrated=calibrated,
                     eigenvalues=eig.tolist(), note='all trainable parameters, eval mode' + '; BatchNorm statistics '
                     'of these images' * calibrated + "; the official init's zero head drawn like the other dense "
-                    'layers' * drawn)
+                    'layers' * drawn + '; the head is all zeros: a collapsed kernel, the Gram of its features' * zero)
         say(f'  NTK kappa ({args.reduce}) {kappa:.6g} = {eig[-1]:.4g} / {eig[0]:.4g} | {info["note"]}')
     elif args.command == 'landscape':
         coords, losses = loss_landscape(model, F.cross_entropy, batches, args.dims, args.steps, args.span, args.seed,
@@ -586,18 +621,24 @@ def script(name, argv, log_path):
         raise UserError(f'{name} failed (exit {r.returncode}); see {log_path}')
 
 
+def finished(args, run, want):
+    """Whether OUT/runs/RUN holds this run, finished; a folder of another run (or a damaged one) is refused."""
+    folder = os.path.join(args.out, 'runs', run)
+    if not os.path.exists(os.path.join(folder, 'args.json')):
+        return False
+    have = read_json(os.path.join(folder, 'args.json'), 'move the run away')
+    # log_every changes the console only (runs of table1 before issue 34 stored train_cifar's default, 50)
+    if differ := [k for k, v in want.items() if k != 'log_every' and have.get(k) != v]:
+        raise UserError(f'{folder} holds another run ({", ".join(differ)} differ); move it away or pick another --out')
+    return read_checkpoint(os.path.join(folder, 'last.pt'), 'table1 run').get('epoch', 0) >= want['epochs']
+
+
 def train_run(args, run, want):
     """train_cifar.py into OUT/runs/RUN (log OUT/logs/RUN.log); a finished run reused, another run's refused."""
     folder = os.path.join(args.out, 'runs', run)
     last, log = os.path.join(folder, 'last.pt'), os.path.join(args.out, 'logs', f'{run}.log')
-    if os.path.exists(os.path.join(folder, 'args.json')):
-        with open(os.path.join(folder, 'args.json')) as f:
-            have = json.load(f)
-        if differ := [k for k, v in want.items() if have.get(k) != v]:
-            raise UserError(f'{folder} holds another run ({", ".join(differ)} differ); move it away or pick '
-                            'another --out')
-        if torch.load(last, map_location='cpu', weights_only=True)['epoch'] >= want['epochs']:
-            return print(f'  {run}: finished run in {folder}, reused', flush=True)
+    if finished(args, run, want):
+        return print(f'  {run}: finished run in {folder}, reused', flush=True)
     argv = ['--data', args.data, *train_flags(want), *(['--resume', last] if os.path.exists(last) else
                                                         ['--out', folder])]
     print(f'  {run}: train_cifar.py {" ".join(map(str, argv))}', flush=True)
@@ -607,8 +648,8 @@ def train_run(args, run, want):
 
 
 def train_flags(want):  # train_cifar.py's command line for the flags in `want` (as its args.json writes them)
-    flag = lambda k: '--' + k.replace('_', '-')  # noqa: E731
-    return [a for k, v in want.items() for a in ([flag(k)] if v is True else [] if v in (False, []) else
+    flag = lambda k: '--' + k.replace('_', '-')  # noqa: E731  (a bool by its type: 0 == False, yet --seed 0 is a value)
+    return [a for k, v in want.items() for a in ([flag(k)] * v if isinstance(v, bool) else [] if v == [] else
                                                 [flag(k), *v] if isinstance(v, list) else [flag(k), v])]
 
 
@@ -621,7 +662,7 @@ def measure_run(args, run, family, d, log):
     with LOCK:  # one measurement at a time: the HVP's attention kernel (sdpa_kernel) is a process-wide choice
         folder = os.path.join(args.out, 'runs', run)
         path = os.path.join(folder, 'geometry.json')
-        m = json.load(open(path)) if os.path.exists(path) else {}
+        m = read_json(path, 'delete it (it is measured again)') if os.path.exists(path) else {}
         model = build_model(args.table[family][0], 10, 32, parse_model_kw(args.table[family][1]), cifar=True)
         load_weights(model, os.path.join(folder, 'last.pt'))
         model.to(d['device'])
@@ -663,6 +704,8 @@ def table1(args, proc):
                                train_subset=args.train_subset, batch_size=preset['batch_size'], **TRAIN_FLAGS,
                                sam=opt == 'sam', **(dict(rho=rho) if opt == 'sam' else {}))
             for opt in ('sam', 'adamw') for f, (m, kw, ep, lr, rho) in args.table.items()}  # longer SAM runs first
+    for run, want in runs.items():  # every run folder checked now, not after hours of the others' training
+        finished(args, run, want)
     print(f'geometry.py table1 --preset {args.preset} | {len(runs)} runs on {args.train_subset:,} CIFAR-10 training '
           f'images, trained in fp32 | measured on {proc.device}, {PRECISION} | {EVAL_NOTE}')
     dev, (train_u8, train_y), (test_u8, test_y) = proc.device, *(load_cifar(args.data, 'cifar10', t, k)
@@ -670,6 +713,12 @@ def table1(args, proc):
     h, a, k = (balanced_subset(y, n, 10) for y, n in ((train_y, args.hessian_n), (test_y, 128), (train_y, args.ntk_n)))
     if (test_y.bincount(minlength=10) < (need := max(TRAIN_FLAGS['test_subset'], args.corruption_n) // 10)).any():
         raise UserError(f'{args.data}: table1 tests on {need} images of each class; some class has fewer')
+    steps, few = args.train_subset // preset['batch_size'], min(max(1, round(ep * args.epochs_scale))
+                                                                 for _, _, ep, *_ in preset['table'].values())
+    if steps * few < 2:  # train_cifar drops the last partial batch; one step of a one-cycle schedule is no training
+        raise UserError(f'--train-subset {args.train_subset} and --epochs-scale {args.epochs_scale:g} give a run '
+                        f'{few} epoch(s) of {steps} step(s) of the preset\'s batch {preset["batch_size"]}: raise them '
+                        f'to 2 steps at least (--train-subset {math.ceil(2 / few) * preset["batch_size"]})')
     train_u8, train_y, test_u8, test_y = (t.to(dev) for t in (train_u8, train_y, test_u8, test_y))  # (all, on a GPU)
     stats = [torch.tensor(v, device=dev).view(1, 3, 1, 1) for v in (MEAN['cifar10'], STD['cifar10'])]
     d = dict(runs=runs, train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, stats=stats, device=dev,

@@ -18,7 +18,7 @@ import mixer
 import vit
 from data import NUM_CLASSES
 from runs import read_checkpoint, stored_args
-from utils import UserError, one_line
+from utils import UserError, first_set, one_line
 MODEL_FILES = (convmixer, vit, mixer)
 IMAGENET_RESNETS = ('resnet50', 'resnet101', 'resnet152')
 CIFAR_RESNETS = ('resnet18', 'resnet20')
@@ -156,15 +156,28 @@ def load_model(checkpoint, name=None, model_kw=None, dataset=None, num_classes=N
         raise UserError(f'give --model: {checkpoint} does not say which model it holds' if checkpoint else
                         'give --model (or an --checkpoint of ours, which names its model)')
     kw = model_kw if model_kw is not None else stored.get('model_kw') or []
-    # train_imagenet's runs store a recipe and no dataset; train_cifar's and train_contrastive's their dataset
-    dataset = dataset or stored.get('dataset') or ('imagenet' if 'recipe' in stored else 'cifar10')
+    dataset = run_dataset(stored, dataset)
     if dataset == 'imagenet':
-        img_size, num_classes = img_size or stored.get('img_size') or 224, num_classes or 1000
+        img_size, num_classes = first_set(img_size, stored.get('img_size'), 224), first_set(num_classes, 1000)
     else:  # a train_cifar run with --classes has that many outputs; --img-size upsampled its 32 px inputs
-        img_size = img_size or stored.get('img_size') or 32
-        num_classes = num_classes or (len(stored['classes']) if stored.get('classes') else NUM_CLASSES[dataset])
+        img_size = first_set(img_size, stored.get('img_size'), 32)
+        num_classes = first_set(num_classes, len(stored['classes']) if stored.get('classes') else NUM_CLASSES[dataset])
     model = build_model(name, num_classes, img_size, parse_model_kw(kw), cifar=dataset != 'imagenet')
     if checkpoint:
         load_weights(model, checkpoint)
     return model.eval(), dict(name=name, model_kw=list(kw), dataset=dataset, img_size=img_size,
                               num_classes=num_classes, stored=stored)
+
+
+def run_dataset(stored, dataset=None):
+    """The data set of a model: `dataset` given, else what our last.pt stored (train_imagenet's runs store a recipe
+    and no dataset; train_cifar's and train_contrastive's their dataset), else cifar10."""
+    return dataset or stored.get('dataset') or ('imagenet' if 'recipe' in stored else 'cifar10')
+
+
+def imagenet_only(dataset, what, stored, **flags):
+    """Refuse an ImageNet model's preprocessing flags (those given, not None) for a CIFAR model `what`: it sees its data
+    set's images at its run's size (train_cifar.py --img-size, stored) with their mean/std. One rule, two scripts."""
+    if dataset != 'imagenet' and (given := [k for k, v in flags.items() if v is not None]):
+        raise UserError(f'--{given[0].replace("_", "-")} only applies to ImageNet models; {what} is a {dataset} model, '
+                        f"which sees its run's {stored.get('img_size') or 32} px with its data set's mean/std")

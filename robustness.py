@@ -38,10 +38,11 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 import figures
 from augment import normalize
 from data import MEAN, MEANS, STD, Samples, eval_transform, folder_batches, folder_samples, load_cifar
-from models import load_model, zero_head
+from models import imagenet_only, load_model, zero_head
 from pgd import fgsm, pgd
-from runs import save_atomic, stored_args
-from utils import EXTRAS, UserError, epoch_seed, fmt_time, init_group, leave, setup
+from runs import read_json, save_atomic, stored_args
+from utils import (EXTRAS, UserError, check_shared_ranges, epoch_seed, first_set, fmt_time, init_group, leave,
+                   one_line, refuse_loose, setup)
 # The benchmark's constants (Hendrycks & Dietterich 2019, Sec. 3 and Fig. 1).
 GROUPS = {'noise': ['gaussian_noise', 'shot_noise', 'impulse_noise'],
           'blur': ['defocus_blur', 'glass_blur', 'motion_blur', 'zoom_blur'],
@@ -97,6 +98,15 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if not args.benchmark and not args.attack:
         raise UserError('nothing to do: give --benchmark and/or --attack')
+    graded = args.benchmark in ('imagenet-c', 'cifar10-c', 'corrupt')  # the benchmarks of (corruption, severity) cells
+    refuse_loose(p, argv, [(args.attack, '--attack', ('eps', 'alpha', 'steps')),
+                           (args.attack != 'fgsm', '--attack pgd (FGSM is one step of --eps)', ('alpha', 'steps')),
+                           (graded, '--benchmark imagenet-c, cifar10-c or corrupt', ('corruptions', 'severities')),
+                           (args.benchmark == 'corrupt', '--benchmark corrupt', ('cache',)),
+                           (args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c'),
+                            '--benchmark imagenet-c, imagenet-r or cifar10-c (beside a published benchmark)',
+                            ('clean',))])
+    check_shared_ranges(args, 'img_size', 'crop_pct', 'seed')
     if args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c') and not args.clean:
         raise UserError(f'--benchmark {args.benchmark} needs --clean DIR, the clean test set whose accuracy '
                         'goes beside the corrupted figures')
@@ -216,8 +226,8 @@ def open_cache(cache_dir):
     if not os.path.isfile(path):
         raise UserError(f'--cache {cache_dir} is not a cache of robustness.py (no meta.json; a published CIFAR-10-C '
                         'is --benchmark cifar10-c --data DIR): give a new or empty folder')
-    with open(path) as f:  # ours starts {"made_by": CACHE_MARK (save_atomic: written whole or not at all)
-        meta = json.loads(text) if CACHE_MARK in (text := f.read()) else None
+    meta = read_json(path, f'pick another --cache (or delete {cache_dir} if this script made it)')  # (save_atomic:
+    # written whole or not at all: a cut one was edited)
     if not isinstance(meta, dict) or meta.get('made_by') != CACHE_MARK:
         raise UserError(f'--cache {cache_dir}: its meta.json is not robustness.py\'s; give a new or empty folder')
     return meta
@@ -241,7 +251,7 @@ def use_cache(cache_dir, meta, labels, corruptions):
     cached, want = set(), (len(SEVERITIES) * meta['n'], *meta['image_shape'])
     for c in corruptions:
         if os.path.isfile(path := os.path.join(cache_dir, f'{c}.npy')):
-            if (a := np.load(path, mmap_mode='r')).dtype != np.uint8 or a.shape != want:
+            if (a := load_npy(path, 'delete it')).dtype != np.uint8 or a.shape != want:
                 raise UserError(f'{path} is {a.dtype} {a.shape}, not the uint8 {want} of its meta.json; delete it')
             cached.add(c)
     make = [c for c in corruptions if c not in cached]
@@ -292,6 +302,14 @@ def loader(dataset, workers, **kw):
     return torch.utils.data.DataLoader(dataset, num_workers=workers, pin_memory=torch.cuda.is_available(),
                                        **dict(multiprocessing_context='spawn', worker_init_fn=deaf) if workers else {},
                                        **kw)
+
+
+def load_npy(path, advice):
+    """np.load(path) as a memmap, or a UserError naming a damaged file (truncated, not a .npy, pickled objects)."""
+    try:
+        return np.load(path, mmap_mode='r', allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise UserError(f'{path} is damaged or not a .npy file ({one_line(e)}); {advice}')
 
 
 def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPTIONS, severities=SEVERITIES,
@@ -403,8 +421,8 @@ def read_cifar10c(root, corruptions, num_classes):
     for name in [f'{c}.npy' for c in corruptions] + ['labels.npy']:
         if name not in found:
             raise UserError(f'{os.path.join(root, name)} not found; {root} has: {", ".join(found) or "no .npy files"}')
-    labels = np.load(os.path.join(root, 'labels.npy'))
-    arrays = {c: np.load(os.path.join(root, f'{c}.npy'), mmap_mode='r') for c in corruptions}
+    labels = load_npy(os.path.join(root, 'labels.npy'), 'fetch it again')
+    arrays = {c: load_npy(os.path.join(root, f'{c}.npy'), 'fetch it again') for c in corruptions}
     for c, a in arrays.items():
         if a.dtype != np.uint8 or a.ndim != 4 or a.shape[-1] != 3 or len(a) % len(SEVERITIES):
             raise UserError(f'{root}/{c}.npy is {a.dtype} {a.shape}; expected uint8 (5 x N, H, W, 3)')
@@ -490,7 +508,7 @@ def preprocessing(args, stored, dataset):
     stored, else the SAM recipe's (timm's SAM ViTs: crop 0.9, bicubic: pass them)."""
     if dataset != 'imagenet':
         return dict(img_size=32, mean=MEAN[dataset], std=STD[dataset])
-    prep = {k: getattr(args, k) or stored.get(k) or EVAL_PREP[k] for k in EVAL_PREP}
+    prep = {k: first_set(getattr(args, k), stored.get(k), EVAL_PREP[k]) for k in EVAL_PREP}
     prep['mean'], prep['std'] = MEANS[prep['norm']]
     return prep
 
@@ -538,6 +556,23 @@ def csv_text(r):
     return f.getvalue()
 
 
+def read_results(path):
+    """A results.json of a --benchmark run with corruption cells (what compare draws), or a UserError naming it."""
+    r = read_json(path, 'give results.json files of robustness.py')
+    try:
+        sev, num = [list(per) for per in r['acc'].values()], (int, float)
+        ok = sev and sev[0] and all(s == sev[0] for s in sev) and set(r['corruption_mean']) == set(r['acc']) and all(
+            isinstance(v, num) for v in [r['mean_acc'], r['clean']['acc'], *r['corruption_mean'].values(),
+                                         *(a for per in r['acc'].values() for a in per.values())])
+        ok = ok and all(isinstance(r[k], str) for k in ('benchmark', 'model', 'checkpoint'))
+    except (TypeError, KeyError, AttributeError):  # not an object, a key missing, a value of another type
+        ok = False
+    if not ok:
+        raise UserError(f'{path} holds no corruption figures of robustness.py (an undamaged results.json of '
+                        '--benchmark imagenet-c, cifar10-c or corrupt)')
+    return r
+
+
 def compare(argv):
     """robustness.py compare A.json B.json ... --out chart.png: bars per corruption, the mean and clean."""
     p = argparse.ArgumentParser(prog='robustness.py compare', description=compare.__doc__)
@@ -547,19 +582,15 @@ def compare(argv):
     args = p.parse_args(argv)
     if len(args.results) < 2 or (args.labels and len(args.labels) != len(args.results)):
         raise UserError('compare needs two or more results.json files (and as many --labels, if any)')
-    runs = []
-    for path in args.results:
-        try:
-            with open(path) as f:
-                runs.append(json.load(f))
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f'cannot read {path}: {e}')
-        if 'corruption_mean' not in runs[-1]:
-            raise UserError(f'{path} holds no corruption figures (from a --benchmark run of robustness.py)')
+    runs = [read_results(path) for path in args.results]
     kinds = [f'{r["benchmark"]} run at severities {",".join(next(iter(r["acc"].values())))}' for r in runs]
     if bad := [i for i, kind in enumerate(kinds) if kind != kinds[0]]:  # one chart, one title: like with like
         raise UserError(f'{args.results[bad[0]]} is a {kinds[bad[0]]}, {args.results[0]} a {kinds[0]}: compare runs '
                         'of one benchmark and severity set')
+    if bad := [i for i, r in enumerate(runs) if set(r['acc']) != set(runs[0]['acc'])]:  # each mean over its own set
+        raise UserError(f'{args.results[bad[0]]} covers the corruptions {", ".join(runs[bad[0]]["acc"])}, '
+                        f'{args.results[0]} {", ".join(runs[0]["acc"])}: their means are over other cells; compare '
+                        'runs over one corruption set')
     labels = args.labels or [f'{r["model"]} ({r["checkpoint"]})' for r in runs]
     figures.corruption_bars(runs, labels, runs[0]['benchmark'], args.out, PLOT_HINT)
     print(f'wrote {args.out}')
@@ -595,14 +626,15 @@ def prepare(args):
         raise UserError(f'--checkpoint {args.checkpoint}: no such file')
     stored = stored_args(args.checkpoint, '--checkpoint') or {}  # our last.pt (any script), else {}
     dataset = (args.dataset or stored.get('dataset') or ('imagenet' if 'recipe' in stored else None)
-               or ('cifar10' if args.benchmark == 'cifar10-c' else 'imagenet'))
+               or {'cifar10-c': 'cifar10', 'imagenet-c': 'imagenet', 'imagenet-r': 'imagenet'}.get(args.benchmark))
+    if dataset is None:  # a bare state_dict, timm's or the .npz: its classes and preprocessing are unknown
+        raise UserError(f'{args.checkpoint} does not say which data set its model was trained on (not a last.pt of '
+                        'ours): pass --dataset cifar10, cifar100 or imagenet')
     if args.benchmark in ('imagenet-c', 'imagenet-r') and dataset != 'imagenet':
         raise UserError(f'--benchmark {args.benchmark} needs an ImageNet model; {args.checkpoint} is a {dataset} one')
     if args.benchmark == 'cifar10-c' and dataset != 'cifar10':
         raise UserError(f'CIFAR-10-C has the 10 classes of cifar10; {args.checkpoint} is a {dataset} model')
-    if dataset != 'imagenet' and (given := [k for k in EVAL_PREP if getattr(args, k) is not None]):
-        raise UserError(f'--{given[0].replace("_", "-")} only applies to ImageNet models; {args.checkpoint} is a '
-                        f'{dataset} model, which sees 32 px with its data set\'s mean/std')
+    imagenet_only(dataset, args.checkpoint, stored, **{k: getattr(args, k) for k in EVAL_PREP})
     clean_root = args.clean if args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c') else args.data
     classes, samples = folder_samples(clean_root, args.subset) if dataset == 'imagenet' else (None, None)  # (sorted)
     try:  # a real write now, not after hours of evaluation (permission bits do not stop root)

@@ -124,3 +124,13 @@ def restore(ckpt, opt, scaler, args, not_inherited, log):
     log(f"resumed {args.resume} at epoch {ckpt['epoch']}, step {ckpt['step']}; "
         f"changed: {', '.join(changed) or 'nothing'}")
     return ckpt['epoch'], ckpt['step'], ckpt['history']
+
+
+def read_json(path, advice):
+    """A JSON file a script or run of ours wrote (args.json, results.json, a cache's meta.json), or one line naming it
+    damaged (cut short, hand-edited, not text) and saying what to do."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f'{path} cannot be read ({one_line(e)}); {advice}')

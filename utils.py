@@ -186,3 +186,31 @@ def progress_printer(prefix, every=10.0):
 
 def eta(t_loop, done, left):  # time left at the pace since t_loop: `done` steps took that long, `left` remain
     return fmt_time((time.time() - t_loop) / max(done, 1) * left)
+
+
+# ----- Rules several scripts share, one place each (issue 34): the range of a flag of the same name, and which
+# flags act only with another. A script passes the names it has; unset (None) flags are skipped.
+SHARED_RANGES = {  # flag: (strictly positive?, at most)
+    'img_size': (True, math.inf), 'crop_pct': (True, 1),  # crop_pct: a fraction (img_size / crop_pct is resized)
+    'seed': (False, 2 ** 64 - 1),  # torch.manual_seed takes values below 2**64; numpy's SeedSequence none below 0
+}
+
+
+def check_shared_ranges(args, *keys):
+    """check_ranges for the flags in keys by SHARED_RANGES' rule, those set (not None) only."""
+    keys = [k for k in keys if getattr(args, k, None) is not None]
+    check_ranges(args, [k for k in keys if SHARED_RANGES[k][0]], [k for k in keys if not SHARED_RANGES[k][0]],
+                 {k: SHARED_RANGES[k][1] for k in keys if SHARED_RANGES[k][1] != math.inf})
+
+
+def refuse_loose(parser, argv, rules):
+    """rules: [(on, what, dests)]: when `on` is false, a dest the command line sets acts on nothing: one line
+    naming them and `what` (e.g. '--attack'), as train_cifar.py refuses --rho without --sam."""
+    for on, what, dests in rules:
+        if not on and (loose := given(parser, argv, *dests)):
+            raise UserError(f'{", ".join(loose)} only act{"s" * (len(loose) == 1)} with {what}: add it, or leave '
+                            f'{"them" if len(loose) > 1 else "it"} out')
+
+
+def first_set(*values):  # the first value that is not None: a flag given as 0 is 0, not "unset" (0 == False)
+    return next((v for v in values if v is not None), None)

@@ -286,6 +286,10 @@ def cli(argv, monkeypatch):
     (['--json', 'MISSING/bench.json'], '--json MISSING/bench.json cannot be written: No such file or directory'),
     (['--json', 'DIR'], '--json DIR cannot be written: a folder, not a file'),
     (['--json', '/sys/bench.json'], '--json /sys/bench.json cannot be written: '),  # read-only, even for root
+    # issue 34: a flag that acts on nothing (as train_cifar.py refuses --rho without --sam)
+    (['--rows', 'cifar', '--img-size', '64', '--compile'], '--img-size, --compile only act with a model row in'),
+    (['--rows', 'cifar', '--sam-m', '8'], '--sam-m only acts with a model row in --rows (the cifar row: 32 px'),
+    (['--rows', 'vit_s16', '--peak-tflops', '900', '--device', 'cpu'], '--peak-tflops only acts with a GPU (MFU)'),
 ])
 def test_bad_flags_are_one_line_before_anything_runs(argv, line, tmp_path, monkeypatch):
     """Each used to be a traceback (a patch size that does not divide, a --json written after the whole benchmark

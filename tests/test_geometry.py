@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -409,7 +410,7 @@ def test_table1_never_replaces_a_table(tmp_path):
 def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_path):
     """--dataset imagenet --split test: every val image of DIR/val/<wnid>/*, resized to img_size / 0.875 and
     centre-cropped (train_imagenet's eval), (x - 0.5) / 0.5 (the .npz's norm, no run of ours), labels from the
-    sorted class folders, the model drawn with --seed: lambda_max equals the one of the same model on the same
+    sorted class folders (as many outputs as folders), the model drawn with --seed: lambda_max equals the one of the same model on the same
     images read here by torchvision."""
     import torchvision
     from PIL import Image
@@ -429,7 +430,7 @@ def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_
     ds = torchvision.datasets.ImageFolder(tmp_path / 'in' / 'val', tf)
     x, y = torch.stack([ds[i][0] for i in range(12)]), torch.tensor(ds.targets)
     torch.manual_seed(0)
-    model = vit.create('vit_ti16', num_classes=1000, img_size=32, depth=1, dim=16, heads=2, patch_size=16)
+    model = vit.create('vit_ti16', num_classes=3, img_size=32, depth=1, dim=16, heads=2, patch_size=16)  # 3 folders
     want = G.hessian_eigenvalue(model, F.cross_entropy, [(x, y)], iters=20, tol=1e-4)  # the same draws
     assert got['n'] == 12 and got['dataset'] == 'imagenet' and y.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert got['lambda_max'] == pytest.approx(want, rel=1e-5)
@@ -521,16 +522,22 @@ def test_table1_gpu_preset_end_to_end_at_a_tiny_size(cifar10_dir, tmp_path, monk
             'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=16', 'depth=1', 'tokens_mlp_dim=8',
                                          'channels_mlp_dim=32'], 80, 2e-3, 0.1)}
     monkeypatch.setitem(G.PRESETS['gpu'], 'table', tiny)
-    G.main(['table1', '--preset', 'gpu', '--data', str(cifar10_dir), '--out', str(tmp_path), '--train-subset', '600',
-            '--epochs-scale', '0.01', '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0'])
+    argv = ['table1', '--preset', 'gpu', '--data', str(cifar10_dir), '--out', str(tmp_path), '--train-subset', '1024',
+            '--epochs-scale', '0.01', '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0']
+    G.main(argv)
     table = json.loads((tmp_path / 'table1.json').read_text())
     assert [r['run'] for r in table['rows']] == ['resnet20_adamw', 'resnet20_sam', 'vit_adamw', 'vit_sam',
                                                  'mixer_adamw', 'mixer_sam']
     for r in table['rows']:
         ran = json.loads((tmp_path / 'runs' / r['run'] / 'args.json').read_text())
-        assert (ran['amp'], ran['batch_size'], ran['train_subset'], ran['epochs']) == ('off', 512, 600, 1)
+        assert (ran['amp'], ran['batch_size'], ran['train_subset'], ran['epochs']) == ('off', 512, 1024, 1)
         assert math.isfinite(r['lambda_max']) and r['train_error'] > G.LOW_ERROR
     assert 'training error above 5%: resnet20_adamw' in (tmp_path / 'table1.md').read_text()
+    # K12: the table moved away as the refusal says, the same command reuses every finished run (no training)
+    os.rename(tmp_path / 'table1.json', tmp_path / 'old.json')
+    monkeypatch.setattr(G, 'script', lambda *a: pytest.fail(f'trained again: {a}'))
+    G.main(argv)
+    assert json.loads((tmp_path / 'table1.json').read_text())['rows'] == table['rows']
 
 
 def test_table1_gpu_preset_models_build():
@@ -544,7 +551,7 @@ VIT = ['--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=16', 'heads=2', 'pat
 
 
 @pytest.mark.parametrize('case, argv, words', [
-    ('steps-1', ['landscape', *VIT, '--steps', '1'], '--steps must be >= 2'),
+    ('steps-1', ['landscape', *VIT, '--steps', '1'], '--steps must be odd and >= 3'),
     ('span-nan', ['landscape', *VIT, '--span', 'nan'], '--span must be a finite number > 0, got nan'),
     ('sigma-nan', ['flatness', *VIT, '--sigma', 'nan'], '--sigma finite and >= 0'),
     ('tol-negative', ['hessian', *VIT, '--tol', '-1'], '--tol must be a finite number >= 0, got -1.0'),
@@ -605,3 +612,162 @@ def test_runs_with_their_own_img_size_or_classes_are_measured_on_their_inputs(ci
         x = data.resize((u8.float() / 255 - stats[0]) / stats[1], size)
         want = G.active_neurons(model, [(x, y)])
         assert got['n'] == 20 and got['active'] == pytest.approx(want, rel=1e-6), name
+
+
+# ----------------------------------------------------------------------------- issue 34: a new user's second round
+@pytest.mark.parametrize('preset', sorted(G.PRESETS))
+def test_table1_command_lines_carry_every_flag_it_compares(preset, tmp_path):
+    """C02, K12, K14: train_flags dropped flags of value 0 (0 == False: --log-every 0, --seed 0), so every run's
+    args.json differed from what table1 compares and no finished run was ever reused. The oracle is train_cifar's own
+    parser: the command line table1 launches gives every value table1 later compares."""
+    import train_cifar
+    args = G.get_args(['table1', '--data', str(tmp_path), '--out', str(tmp_path / 'o'), '--preset', preset])
+    table, n = G.PRESETS[preset]['table'], G.PRESETS[preset]['train_subset']
+    for f, (m, kw, ep, lr, rho) in table.items():
+        for sam in (False, True):
+            want = dict(model=m, model_kw=kw, epochs=ep, lr=lr, train_subset=n,
+                        batch_size=G.PRESETS[preset]['batch_size'], **G.TRAIN_FLAGS, sam=sam,
+                        **(dict(rho=rho) if sam else {}))
+            got = vars(train_cifar.get_args(['--data', args.data, *map(str, G.train_flags(want)), '--out', 'x']))
+            assert {k: got[k] for k in want} == want
+
+
+def finished_run(folder, want, epochs):  # what train_cifar leaves: last.pt, then args.json
+    folder.mkdir(parents=True)
+    torch.save({'epoch': epochs, 'args': want}, folder / 'last.pt')
+    (folder / 'args.json').write_text(json.dumps(want))
+
+
+def test_table1_reuses_finished_runs_and_names_damaged_or_other_ones(tmp_path, monkeypatch):
+    """K12/K14: a finished run (also one of an older table1 that stored train_cifar's log_every 50) is reused, no
+    training started; C01: another run names only the flags that differ; K15: a damaged args.json is one line."""
+    started = []
+    monkeypatch.setattr(G, 'script', lambda *a: started.append(a))
+    want = dict(model='resnet20', epochs=2, lr=1e-3, train_subset=200, **G.TRAIN_FLAGS)
+    args = argparse_ns(out=str(tmp_path), data='d')
+    finished_run(tmp_path / 'runs' / 'old', {**want, 'log_every': 50}, 2)
+    G.train_run(args, 'old', want)
+    assert not started
+    finished_run(tmp_path / 'runs' / 'other', {**want, 'train_subset': 140}, 2)
+    with pytest.raises(G.UserError, match=r'runs/other holds another run \(train_subset differ\)'):
+        G.train_run(args, 'other', want)
+    finished_run(tmp_path / 'runs' / 'cut', want, 2)
+    text = (tmp_path / 'runs' / 'cut' / 'args.json').read_text()
+    (tmp_path / 'runs' / 'cut' / 'args.json').write_text(text[:len(text) // 2])
+    with pytest.raises(G.UserError, match=r'runs/cut/args.json cannot be read \(.*\); move the run away'):
+        G.train_run(args, 'cut', want)
+    assert (tmp_path / 'runs' / 'cut' / 'args.json').read_text() == text[:len(text) // 2] and not started
+
+
+def argparse_ns(**kw):
+    import argparse
+    return argparse.Namespace(**kw)
+
+
+@pytest.mark.parametrize('subset, scale, words', [
+    (100, 0.01, '--train-subset 100 and --epochs-scale 0.01 give a run 1 epoch(s) of 0 step(s) of the preset\'s '
+                'batch 128: raise them to 2 steps at least (--train-subset 256)'),  # R30
+    (130, 0.01, '1 epoch(s) of 1 step(s)'),  # R30b: one step of a one-cycle schedule
+    (100, 1.0, '15 epoch(s) of 0 step(s)'),  # fewer images than the batch: no step at all
+])
+def test_table1_refuses_a_budget_of_less_than_two_steps_before_measuring(subset, scale, words, tmp_path, monkeypatch):
+    monkeypatch.setattr(G, 'ntk_condition_number', lambda *a, **k: pytest.fail('measured before refusing'))
+    monkeypatch.setattr(G, 'load_cifar', lambda root, dataset, train, n: (  # n train / 1,000 test images, 10 classes
+        torch.zeros(n or 1000, 3, 32, 32, dtype=torch.uint8), torch.arange(n or 1000) % 10))
+    with pytest.raises(G.UserError, match=re.escape(words)):
+        G.main(['table1', '--data', str(tmp_path), '--out', str(tmp_path / 'o'), '--train-subset', str(subset),
+                '--epochs-scale', str(scale), '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0'])
+    assert not (tmp_path / 'o').exists() or not any((tmp_path / 'o').rglob('*.pt'))
+
+
+def tiny_vit_run(path, zero_head=False, **args):  # a last.pt of ours: a 2-block ViT for 32 px, 10 classes
+    model = vit.create('vit_s4_cifar', num_classes=10, img_size=32, patch_size=8, dim=16, depth=1, heads=2)
+    G.draw_zero_head_(model)  # (the JAX init's head is zero: a trained one is not)
+    sd = {k: torch.zeros_like(v) if zero_head and k.startswith('head.') else v for k, v in model.state_dict().items()}
+    stored = dict(model='vit_s4_cifar', model_kw=['patch_size=8', 'dim=16', 'depth=1', 'heads=2'], **args)
+    torch.save({'model': sd, 'optimizer': {}, 'scaler': {}, 'epoch': 1, 'step': 1, 'history': [], 'args': stored}, path)
+    return path
+
+
+@pytest.mark.parametrize('case, argv, words', [
+    ('M01', ['landscape', '--steps', '4'], '--steps must be odd and >= 3 (a grid through 0)'),
+    ('M02', ['hessian', '--img-size', '64'], "--img-size only applies to ImageNet models; {ck} is a cifar10 model, "
+                                             "which sees its run's 32 px with its data set's mean/std"),
+    ('img-size-0', ['hessian', '--img-size', '0'], '--img-size must be a finite number > 0, got 0'),
+    ('seed-huge', ['neurons', '--seed', str(10 ** 23)], '--seed must be a finite number >= 0 and <= 1844674407370955'),
+    ('seed-negative', ['neurons', '--seed', '-1'], '--seed must be a finite number >= 0'),
+    ('G04', ['ntk', '--checkpoint', '{zero}'], 'has an all-zero classifier: fine-tune it first (train_cifar.py '
+     '--pretrained), or pass --keep-zero-head to measure the collapsed kernel'),
+    ('zero-landscape', ['landscape', '--checkpoint', '{zero}'], 'has an all-zero classifier'),
+])
+def test_issue34_bad_inputs_are_one_true_line(case, argv, words, cifar10_dir, tmp_path):
+    ck, zero = tiny_vit_run(tmp_path / 'ck.pt', dataset='cifar10'), tiny_vit_run(tmp_path / 'z.pt', True)
+    argv = [a.format(zero=zero) for a in argv] + (['--checkpoint', str(ck)] if '--checkpoint' not in argv else [])
+    with pytest.raises(G.UserError) as e:
+        G.main([*argv, '--data', str(cifar10_dir), '--images', '10', '--out', str(tmp_path / 'out')])
+    assert words.format(ck=ck) in str(e.value), str(e.value)
+    assert not (tmp_path / 'out').exists() or not any((tmp_path / 'out').iterdir())
+
+
+def test_zero_head_backbone_draws_attention_and_neurons_and_ntk_says_it_collapsed(cifar10_dir, tmp_path):
+    """O01, O02: attention and neurons do not use the classifier: a MoCo backbone's zero head is no reason to refuse.
+    G04: with --keep-zero-head, ntk.json says the kernel is the collapsed one."""
+    zero = str(tiny_vit_run(tmp_path / 'z.pt', True))
+    common = ['--checkpoint', zero, '--data', str(cifar10_dir), '--images', '10', '--out', str(tmp_path / 'o')]
+    G.main(['neurons', *common])
+    G.main(['attention', *common, '--maps', '1'])
+    G.main(['ntk', *common, '--keep-zero-head'])
+    ntk = json.loads((tmp_path / 'o' / 'ntk.json').read_text())
+    assert ntk['head_zero'] and 'the head is all zeros: a collapsed kernel' in ntk['note']
+    assert set(json.loads((tmp_path / 'o' / 'neurons.json').read_text())['active']) == {'blocks.0.mlp'}
+
+
+def test_hessian_that_stops_at_iters_says_it_did_not_converge(cifar10_dir, tmp_path, capsys):
+    """M03: --iters 1 wrote a lambda_max 1e5 times too small without a word. hessian.json now says which value did
+    not reach --tol, and the console too; one that converged says so."""
+    ck = str(tiny_vit_run(tmp_path / 'ck.pt', dataset='cifar10'))
+    common = ['hessian', '--checkpoint', ck, '--data', str(cifar10_dir), '--images', '10']
+    G.main([*common, '--iters', '1', '--out', str(tmp_path / 'one')])
+    one = json.loads((tmp_path / 'one' / 'hessian.json').read_text())
+    assert one['converged'] == {'all': False} and 'NOT converged (all)' in one['note']
+    assert '(NOT converged: --iters 1 ended it before a relative change < --tol; raise --iters)' in \
+        capsys.readouterr().out
+    G.main([*common, '--iters', '200', '--tol', '1e-2', '--out', str(tmp_path / 'many')])
+    assert json.loads((tmp_path / 'many' / 'hessian.json').read_text())['converged'] == {'all': True}
+
+
+def test_train_imagenet_run_is_measured_at_its_size_class_count_and_preprocessing(cifar10_dir, tmp_path):
+    """G05-G07 (README: 'a model of train_imagenet.py: its last.pt names model, size and preprocessing'): a 3-class
+    run at 48 px with crop_pct 1.0, bicubic, ImageNet mean/std used to be built at 224 px with 1000 classes. Now
+    the oracle, the model and images built here by hand from those settings, gives the same lambda_max."""
+    import torchvision
+    from PIL import Image
+    from torchvision.transforms import v2
+    for wnid, src in (('n01', 'airplane'), ('n02', 'cat'), ('n03', 'ship')):
+        (tmp_path / 'in' / 'train' / wnid).mkdir(parents=True)
+        for f in sorted(os.listdir(os.path.join(cifar10_dir, 'train', src)))[:3]:  # 32 px -> 60 x 50 px JPEGs
+            Image.open(os.path.join(cifar10_dir, 'train', src, f)).convert('RGB').resize((60, 50)).save(
+                tmp_path / 'in' / 'train' / wnid / f.replace('.jpg', '.JPEG'))
+    torch.manual_seed(1)
+    model = vit.create('vit_ti16', num_classes=3, img_size=48, depth=1, dim=16, heads=2, patch_size=16)
+    G.draw_zero_head_(model)
+    stored = dict(recipe='sam', model='vit_ti16', model_kw=['depth=1', 'dim=16', 'heads=2', 'patch_size=16'],
+                  img_size=48, norm='imagenet', crop_pct=1.0, eval_interp='bicubic')
+    torch.save({'model': model.state_dict(), 'optimizer': {}, 'scaler': {}, 'step': 1, 'history': [],
+                'args': stored, 'steps_per_epoch': 1}, tmp_path / 'last.pt')
+    for extra in ([], ['--dataset', 'imagenet'], ['--img-size', '48']):  # G06, G05, G07
+        out = tmp_path / f'out{len(extra)}{extra[-1] if extra else ""}'
+        G.main(['hessian', '--checkpoint', str(tmp_path / 'last.pt'), '--data', str(tmp_path / 'in'), '--images', '9',
+                '--iters', '20', '--tol', '1e-4', *extra, '--out', str(out)])
+        got = json.loads((out / 'hessian.json').read_text())
+        assert got['n'] == 9 and got['dataset'] == 'imagenet'
+    tf = v2.Compose([v2.Resize(48, v2.InterpolationMode.BICUBIC), v2.CenterCrop(48), v2.PILToTensor(),
+                     v2.ToDtype(torch.float32, scale=True), v2.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    ds = torchvision.datasets.ImageFolder(tmp_path / 'in' / 'train', tf)
+    x, y = torch.stack([ds[i][0] for i in range(9)]), torch.tensor(ds.targets)
+    want = G.hessian_eigenvalue(model.eval(), F.cross_entropy, [(x, y)], iters=20, tol=1e-4)
+    assert got['lambda_max'] == pytest.approx(want, rel=1e-5)
+    with pytest.raises(G.UserError, match=r'does not fit .*; built here at 32 px \(--img-size\) for the 3 class '
+                                          'folders of'):
+        G.main(['hessian', '--checkpoint', str(tmp_path / 'last.pt'), '--data', str(tmp_path / 'in'), '--img-size',
+                '32', '--out', str(tmp_path / 'o32')])

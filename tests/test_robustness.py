@@ -184,6 +184,8 @@ def test_imagenet_c_folder_counts_labels_and_mce(tmp_path):
     assert report['mce'] == pytest.approx(100 * np.mean([err[c] / ALEXNET[c] for c in ALEXNET]), rel=1e-12)
     assert report['clean']['acc'] == pytest.approx(100 * 5 / 6)
     assert report['groups']['noise'] == pytest.approx(100 * (1 - np.mean([err[c] for c in list(ALEXNET)[:3]])))
+    # cells of 2 to 7 images: each weighs 1 in the paper's mean (pooling the images would weigh them by size)
+    assert report['mean_acc'] == pytest.approx(100 * np.mean([k / n for k, n in expect.values()]), rel=1e-12)
     with pytest.raises(rb.UserError, match=r'spatter.1 not found; .* has: brightness, contrast'):
         rb.imagenet_c_samples(str(root), 'spatter', 1, class_to_idx)
 
@@ -680,3 +682,138 @@ def test_runs_with_their_own_img_size_or_classes_load_and_score_as_train_cifar_d
         mean, std = (torch.tensor(v['cifar10']).view(1, 3, 1, 1) for v in (data.MEAN, data.STD))
         want = data.evaluate(model, x, y, mean, std, img_size=info['img_size'])
         assert r['attack']['n'] == want['n'] == 20 and r['attack']['clean_correct'] == want['correct'], name
+
+
+# -----------------------------------------------------------------------------
+# Issue 34: a new user's second round.
+def test_mean_corruption_accuracy_weighs_each_cell_once_whatever_its_size():
+    """Tests that miss real bugs, 3: a mean pooled over images (31 of 102 = 30.4%) survived every test, whose cells
+    were all of one size. The paper's figure is the mean over (corruption, severity) cells, typed in here."""
+    cells = {('fog', 1): (1, 2), ('fog', 2): (30, 100), ('contrast', 1): (9, 10), ('contrast', 2): (0, 4)}
+    r = rb.summarize(cells, (60, 100))
+    assert r['mean_acc'] == pytest.approx((50 + 30 + 90 + 0) / 4) and r['gap'] == pytest.approx(60 - 42.5)
+    assert r['corruption_mean'] == pytest.approx({'fog': 40.0, 'contrast': 45.0})
+    assert r['groups'] == pytest.approx({'weather': 40.0, 'digital': 45.0})
+    assert r['counts'] == {'fog': {'1': [1, 2], '2': [30, 100]}, 'contrast': {'1': [9, 10], '2': [0, 4]}}
+
+
+ATTACK = ['--attack', 'pgd', '--steps', 1, '--subset', 10]
+CORRUPT = ['--benchmark', 'corrupt', '--subset', 10, '--corruptions', 'gaussian_noise', '--severities', 1]
+
+
+@pytest.mark.parametrize('case, argv, line', [
+    ('D03', [*CORRUPT, '--eps', 4, '--alpha', 1, '--steps', 3], '--eps, --alpha, --steps only act with --attack'),
+    ('D04', [*ATTACK, '--cache', 'cache_x', '--corruptions', 'fog', '--severities', 5],
+     '--corruptions, --severities only act with --benchmark imagenet-c, cifar10-c or corrupt'),
+    ('D04-cache', [*ATTACK, '--cache', 'cache_x'], '--cache only acts with --benchmark corrupt'),
+    ('D05', [*CORRUPT, '--clean', 'no_such_dir'], '--clean only acts with --benchmark imagenet-c, imagenet-r or '
+                                                  'cifar10-c (beside a published benchmark)'),
+    ('fgsm-steps', ['--attack', 'fgsm', '--alpha', 1, '--steps', 3], '--alpha, --steps only act with --attack pgd'),
+    ('N10', [*ATTACK, '--crop-pct', 0], '--crop-pct must be a finite number > 0 and <= 1, got 0.0'),
+    ('N11', [*ATTACK, '--crop-pct', 'nan'], '--crop-pct must be a finite number > 0 and <= 1, got nan'),
+    ('N12', [*ATTACK, '--crop-pct', -0.5], '--crop-pct must be a finite number > 0 and <= 1, got -0.5'),
+    ('N18', [*ATTACK, '--crop-pct', 87.5], '--crop-pct must be a finite number > 0 and <= 1, got 87.5'),
+    ('N19', [*ATTACK, '--crop-pct', 'inf'], '--crop-pct must be a finite number > 0 and <= 1, got inf'),
+    ('N14', [*ATTACK, '--img-size', 0], '--img-size must be a finite number > 0, got 0'),
+    ('seed', [*ATTACK, '--seed', -1], '--seed must be a finite number >= 0 and <= 18446744073709551615, got -1'),
+    ('F05', [*ATTACK, '--checkpoint', '{sd}', '--model', 'vit_s4_cifar'], '{sd} does not say which data set its model '
+     'was trained on (not a last.pt of ours): pass --dataset cifar10, cifar100 or imagenet'),
+    ('F06', [*ATTACK, '--checkpoint', '{sd}', '--model', 'convmixer_256_8'], '{sd} does not say which data set'),
+])
+def test_issue34_bad_inputs_are_one_true_line(case, argv, line, trained, cifar10_dir, tmp_path):
+    """Flags that act on nothing without another (as train_cifar.py refuses --rho without --sam), the ranges the
+    training scripts check (utils.SHARED_RANGES: --crop-pct 87.5 used to blame a good JPEG), and a bare state_dict
+    that names no data set (it was attacked as an ImageNet model): one line, status 1, no --out, nothing touched."""
+    model, _, _, ckpt = trained
+    torch.save(model.state_dict(), tmp_path / 'sd.pt')
+    argv = [str(a).format(sd=tmp_path / 'sd.pt') for a in argv]
+    argv += [] if '--checkpoint' in argv else ['--checkpoint', ckpt]
+    refused([*argv, '--data', cifar10_dir, '--workers', 0], line.format(sd=tmp_path / 'sd.pt'), tmp_path / 'o')
+    assert not os.path.exists('cache_x')
+
+
+def test_bare_state_dict_with_its_dataset_is_scored_as_the_cifar_model_it_is(trained, cifar10_dir, tmp_path):
+    """F06b: the CIFAR ConvMixer of a bare state_dict was attacked at 224 px with the JAX mean/std. With --dataset
+    cifar10 it is scored at 32 px with CIFAR's statistics: the clean count equals the direct evaluation."""
+    model, _, _, _ = trained
+    torch.save(model.state_dict(), tmp_path / 'sd.pt')
+    kw = [f'{k}={v}' for k, v in KW.items()]
+    r = rb.main(['--attack', 'fgsm', '--data', cifar10_dir, '--subset', 20, '--checkpoint', tmp_path / 'sd.pt',
+                 '--dataset', 'cifar10', '--model', 'convmixer_256_8', '--model-kw', *kw, '--out', tmp_path / 'o'])
+    x, y = data.load_cifar(cifar10_dir, 'cifar10', False, 20)
+    assert r['preprocessing']['img_size'] == 32
+    assert r['attack']['clean_correct'] == direct_correct(model, x.permute(0, 2, 3, 1).numpy(), y)
+
+
+def test_only_a_decode_failure_is_reported_as_an_undecodable_file(tmp_path):
+    """N12: any error while loading OR transforming an image became 'cannot decode FILE; replace or delete it': an
+    impossible resize blamed a good JPEG. A file PIL cannot read still is named; a transform's error is its own."""
+    good, bad = tmp_path / 'a' / 'good.jpg', tmp_path / 'a' / 'bad.jpg'
+    good.parent.mkdir()
+    Image.new('RGB', (40, 40), (200, 10, 10)).save(good)
+    bad.write_bytes(b'not an image')
+    transform = rb.uint8_transform(dict(img_size=8, crop_pct=0.875, eval_interp='bilinear', norm='jax'))
+    assert [t.shape for t in next(rb.folder_batches([(str(good), 0)], transform, 1, 0, 0, 1))[:1]] == [(1, 3, 8, 8)]
+    with pytest.raises(rb.UserError, match=f'cannot decode {bad} '):
+        next(rb.folder_batches([(str(good), 0), (str(bad), 0)], transform, 2, 0, 0, 1))
+
+    def broken(image):
+        raise ValueError('an impossible resize')
+    broken.transforms = transform.transforms  # (Samples reads the centre crop's size from it)
+    with pytest.raises(ValueError, match='an impossible resize'):
+        next(rb.folder_batches([(str(good), 0)], broken, 1, 0, 0, 1))
+
+
+def test_damaged_cache_and_benchmark_files_are_one_line(trained, cifar10_dir, tmp_path):
+    """D07: a hand-edited meta.json (JSONDecodeError traceback); D08: a truncated corruption .npy (numpy's mmap
+    ValueError); the same for a published CIFAR-10-C's file. Each names the file; nothing is changed."""
+    model, xt, yt, ckpt = trained
+    common = [*CORRUPT, '--data', cifar10_dir, '--checkpoint', ckpt, '--workers', 0, '--no-plot']
+    cache = tmp_path / 'cache'
+    rb.corruption_accuracy(model, xt[:10], yt[:10], MEAN, STD, ['gaussian_noise'], cache_dir=str(cache))
+    meta = (cache / 'meta.json').read_text()
+    (cache / 'meta.json').write_text(meta.replace('"seed"', 'seed', 1))
+    refused([*common, '--cache', cache], f'{cache / "meta.json"} cannot be read (Expecting property name',
+            tmp_path / 'o', cache)
+    (cache / 'meta.json').write_text(meta)
+    npy = (cache / 'gaussian_noise.npy').read_bytes()
+    (cache / 'gaussian_noise.npy').write_bytes(npy[:len(npy) // 2])
+    before = snapshot(cache)
+    with pytest.raises(rb.UserError, match=f'{cache / "gaussian_noise.npy"} is damaged or not a .npy file '
+                                           r'\(mmap length is greater than file size\); delete it'):
+        rb.corruption_accuracy(model, xt[:10], yt[:10], MEAN, STD, ['gaussian_noise'], cache_dir=str(cache))
+    assert snapshot(cache) == before
+    root = published_c10c(tmp_path / 'CIFAR-10-C', n=10)
+    (root / 'labels.npy').write_bytes(b'\x93NUMPY garbage')
+    refused(['--benchmark', 'cifar10-c', '--data', root, '--clean', cifar10_dir, '--checkpoint', ckpt, '--corruptions',
+             'gaussian_noise', '--no-plot'], f'{root / "labels.npy"} is damaged or not a .npy file', tmp_path / 'o',
+            root)
+
+
+def test_compare_refuses_files_that_hold_no_cells_and_runs_over_other_corruptions(tmp_path):
+    """E04-E06: a bare number, a results.json without `benchmark`, one whose `acc` is {} were tracebacks; E09: runs
+    over other corruption sets were drawn side by side, their means over other cells. Each: one line, no PNG."""
+    def write(name, r):
+        (tmp_path / name).write_text(json.dumps(r))
+        return tmp_path / name
+
+    def run(corruptions):
+        return {'benchmark': 'corrupt', 'model': 'm', 'checkpoint': 'c', 'acc': {c: {'1': 10.0} for c in corruptions},
+                'corruption_mean': {c: 10.0 for c in corruptions}, 'mean_acc': 10.0, 'clean': {'acc': 20.0}}
+    good = write('good.json', run(['gaussian_noise']))
+    nobench = run(['gaussian_noise'])
+    del nobench['benchmark']
+    cases = {'num.json': 5, 'nobench.json': nobench, 'noacc.json': {**run(['fog']), 'acc': {}, 'corruption_mean': {}},
+             'strs.json': {**run(['fog']), 'mean_acc': 'high'}}
+    for name, r in cases.items():
+        code = cli(['compare', good, write(name, r), '--out', tmp_path / 'x.png'])
+        assert code == (f'robustness.py: error: {tmp_path / name} holds no corruption figures of robustness.py (an '
+                        'undamaged results.json of --benchmark imagenet-c, cifar10-c or corrupt)'), code
+    (tmp_path / 'cut.json').write_text(good.read_text()[:20])
+    assert cli(['compare', good, tmp_path / 'cut.json', '--out', tmp_path / 'x.png']).startswith(
+        f'robustness.py: error: {tmp_path / "cut.json"} cannot be read (')
+    fog = write('fog.json', run(['fog', 'contrast']))
+    assert cli(['compare', good, fog, '--out', tmp_path / 'x.png']) == (
+        f'robustness.py: error: {fog} covers the corruptions fog, contrast, {good} gaussian_noise: their means are '
+        'over other cells; compare runs over one corruption set')
+    assert not (tmp_path / 'x.png').exists()
