@@ -4,6 +4,7 @@ CIFAR-10/100: decoded once into uint8 tensors (N, 3, 32, 32), from torchvision's
 DIR/{train,test}/<class>/*, with class-balanced subsets; evaluated from the device, exactly under DDP.
 ImageNet-style folders: DIR/{train,val}/<wnid>/*, read by torchvision's ImageFolder in loader workers.
 """
+import contextlib
 import itertools
 import os
 from pathlib import Path
@@ -135,36 +136,89 @@ def eval_transform(img_size, crop_pct=0.875, interp='bilinear', norm='jax', to_f
     return v2.Compose(t + ([v2.ToDtype(torch.float32, scale=True), v2.Normalize(*MEANS[norm])] if to_float else []))
 
 
+def node_workers():
+    """Loader processes per training process: the CPU cores this process may use, shared by the node's local
+    processes (torchrun's LOCAL_WORLD_SIZE), less one for the process itself (at least 0: the main process)."""
+    return max(0, len(os.sched_getaffinity(0)) // int(os.environ.get('LOCAL_WORLD_SIZE', 1)) - 1)
+
+
 class ImageFolder(torchvision.datasets.ImageFolder):
-    """torchvision's, with two changes. An index (i, seed) draws image i's augmentation from torch's RNG seeded with
+    """torchvision's, with three changes. An index (i, seed) draws image i's augmentation from torch's RNG seeded with
     `seed` (ResumableSampler gives one per image and epoch): the draws do not depend on the worker, the batch size
     or a resume. An image PIL cannot decode comes back blank with label -1 - i: an exception in a loader worker
-    reaches the main process inside the worker's traceback, so on_device() names the file."""
+    reaches the main process inside the worker's traceback, so on_device() names the file. decode='gpu': the
+    workers only read the file's bytes, and on_device() decodes and transforms them on the training device."""
 
-    def __init__(self, root, split, transform, img_size):
+    def __init__(self, root, split, transform, img_size, decode='cpu'):
         try:
             super().__init__(os.path.join(root, split), transform=transform)
         except (FileNotFoundError, NotADirectoryError, RuntimeError) as e:  # none, a file, no class folders, empty
             raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
-        self.img_size = img_size
+        self.img_size, self.decode = img_size, decode
 
     def __getitem__(self, index):
         index, seed = index if isinstance(index, tuple) else (index, None)
+        if self.decode == 'gpu':  # (bytes (n,) uint8, label, the seed of its draws or -1, index): collate_bytes
+            return torchvision.io.read_file(self.samples[index][0]), self.targets[index], -1 if seed is None else \
+                seed, index
         try:
-            with torch.random.fork_rng(devices=[], enabled=seed is not None):  # (the caller's RNG stays as it was)
-                if seed is not None:
-                    torch.manual_seed(seed)
+            with seeded(seed):
                 return super().__getitem__(index)
         except (OSError, ValueError):  # PIL: cannot identify image file, image file is truncated, ...
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), -1 - index
 
 
+@contextlib.contextmanager
+def seeded(seed):
+    """torch's CPU RNG seeded with seed inside (None: untouched), the caller's state restored after. Only the CPU
+    generator, where torchvision's transforms draw: torch.manual_seed would also seed CUDA (lazily, formatting a
+    stack trace each call when CUDA is not initialised) and other backends: ~270 us a call on this repo's CPU, this
+    ~14 us (README, Performance). The same draws: torch.manual_seed seeds this very generator with the same seed."""
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.default_generator.manual_seed(seed)
+        yield
+
+
+def collate_bytes(batch):
+    """ImageFolder(decode='gpu') items -> ([bytes (n_i,) uint8], labels (B,), seeds (B,), indices (B,))."""
+    data, *rest = zip(*batch)
+    return [list(data)] + [torch.tensor(v) for v in rest]
+
+
+def decode_batch(data, seeds, index, dataset, device):
+    """--decode gpu: the files' bytes decoded by torchvision.io.decode_jpeg on `device` (nvJPEG on CUDA, all at once;
+    a file nvJPEG refuses, e.g. a PNG named .JPEG as one ImageNet training image, by decode_image on the CPU), then
+    dataset.transform per image on the device under the image's seed: the crop, resize and flip draw exactly what
+    the PIL path draws (the same transform, the same RNG, and its draws depend on the image size only). The pixels
+    differ by the resize: torch's antialiased interpolate, not PIL's (tests/test_train_imagenet.py says how much).
+    -> uint8 (B, 3, S, S) on device."""
+    try:
+        images = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
+    except RuntimeError:  # not a JPEG (or CMYK on nvJPEG): decode one at a time, and name a file nothing decodes
+        images = []
+        for d, i in zip(data, index.tolist()):
+            try:
+                images.append(torchvision.io.decode_image(d, mode=torchvision.io.ImageReadMode.RGB).to(device))
+            except RuntimeError:
+                raise UserError(f'cannot decode the image {dataset.samples[i][0]} (corrupt or truncated); replace '
+                                'or delete it') from None
+    out = []
+    for image, seed in zip(images, seeds.tolist()):
+        with seeded(seed if seed >= 0 else None):
+            out.append(dataset.transform(image))
+    return torch.stack(out)
+
+
 def on_device(loader, mean, std, fmt=torch.preserve_format):
     """The loader's uint8 batches normalised on the device of mean, std ((1, 3, 1, 1) tensors): a quarter of the
     bytes of float32 through shared memory and the copy, non_blocking from pinned memory. An image that could not
-    be decoded (label < 0) is named while the labels are still on the CPU (no host sync)."""
-    for x, y in loader:
-        if (y < 0).any():
+    be decoded (label < 0) is named while the labels are still on the CPU (no host sync). --decode gpu: the loader
+    sends the files' bytes, decoded and transformed here (decode_batch)."""
+    for x, y, *rest in loader:
+        if rest:  # bytes, labels, seeds, indices
+            x = decode_batch(x, *rest, loader.dataset, mean.device)
+        elif (y < 0).any():
             raise UserError(f'cannot decode the image {loader.dataset.samples[-1 - int(y.min())][0]} (corrupt or '
                             'truncated); replace or delete it')
         x = normalize(x.to(mean.device, non_blocking=True), mean, std)
