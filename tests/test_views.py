@@ -114,3 +114,57 @@ def test_ema_is_one_foreach_lerp_and_its_closed_form():
     for pk, kk, qq in zip(moco.momentum_encoder.parameters(), k, q):
         want = m * kk + (1 - m) * qq
         assert torch.allclose(pk.double(), want, rtol=0, atol=4 * torch.finfo(torch.float32).eps * want.abs().max())
+
+
+# -----------------------------------------------------------------------------
+# The ImageNet loaders of train_contrastive.py: built once, their workers living through the epochs.
+@pytest.fixture(scope='module')
+def jpeg_folder(tmp_path_factory):
+    """DIR/{train,val}/<class>/*.JPEG: 2 classes, 12 + 4 images of 72 x 56 px (not square)."""
+    from PIL import Image
+    root = tmp_path_factory.mktemp('jpegs')
+    for split, n in (('train', 12), ('val', 4)):
+        for c in ('a', 'b'):
+            (root / split / c).mkdir(parents=True)
+            for i, x in enumerate(natural(n, 72, seed=hash((split, c)) % 1000)):
+                Image.fromarray(x[:, :56].permute(1, 2, 0).numpy()).save(root / split / c / f'{i}.JPEG', quality=90)
+    return root
+
+
+def test_contrastive_imagenet_loaders_are_built_once_and_their_workers_persist(jpeg_folder, tmp_path, monkeypatch):
+    """Two epochs with a k-NN evaluation after each: 3 DataLoaders (train, train features, val features) made once,
+    each starting its one worker once (was: a new train loader every epoch, two feature loaders per evaluation)."""
+    made, started = [], []
+    init, start = torch.utils.data.DataLoader.__init__, torch.multiprocessing.Process.start
+    monkeypatch.setattr(torch.utils.data.DataLoader, '__init__', lambda self, *a, **kw: made.append(kw) or
+                        init(self, *a, **kw))
+    monkeypatch.setattr(torch.multiprocessing.Process, 'start', lambda self: started.append(1) or start(self))
+    tc.main([str(a) for a in ['--dataset', 'imagenet', '--data', jpeg_folder, '--img-size', 32, '--model', 'vit_ti16',
+                              '--model-kw', 'dim=32', 'depth=1', 'heads=2', 'patch_size=8', '--proj-hidden', 32,
+                              '--proj-dim', 16, '--batch-size', 8, '--epochs', 2, '--warmup-epochs', 0, '--eval', 'knn',
+                              '--eval-every', 1, '--workers', 1, '--log-every', 0, '--out', tmp_path / 'run']])
+    assert len(made) == 3 and all(kw['persistent_workers'] for kw in made) and len(started) == 3
+    assert (tmp_path / 'run' / 'last.pt').is_file()
+
+
+def test_linear_probe_is_few_full_batch_steps_to_the_optimum():
+    """With an L2 penalty the probe's objective is strictly convex: at the probe's weights its gradient, computed
+    here in float64 from the closed-form softmax cross-entropy gradient, vanishes; and it took at most L-BFGS's
+    max_eval (1.25 x --linear-epochs) passes over the features (was 100 epochs x n/256 steps of 256)."""
+    import argparse
+    g = torch.Generator().manual_seed(0)
+    f, y = torch.randn(600, 24, generator=g), torch.randint(0, 5, (600,), generator=g)
+    f[:, :5] += 1.5 * torch.nn.functional.one_hot(y, 5)  # some signal
+    args = argparse.Namespace(seed=0, linear_epochs=60, linear_wd=1e-2)
+    calls = []
+    hook = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: calls.append(len(i[0])))
+    try:
+        clf, mu, sd = tc.linear_probe(f, y, 5, args)
+    finally:
+        hook.remove()
+    assert len(calls) <= 1.25 * 60 + 1 and set(calls) == {600}
+    z, W, b = ((f - mu) / sd).double(), clf.weight.detach().double(), clf.bias.detach().double()
+    err = torch.softmax(z @ W.T + b, 1) - torch.nn.functional.one_hot(y, 5).double()  # d(mean CE)/d(logits) x n
+    grad_w, grad_b = err.T @ z / len(y) + args.linear_wd * W, err.mean(0)
+    assert grad_w.abs().max() < 1e-4 and grad_b.abs().max() < 1e-4
+    assert (clf((f - mu) / sd).argmax(1) == y).float().mean() > 0.5
