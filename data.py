@@ -158,9 +158,9 @@ class ImageFolder(torchvision.datasets.ImageFolder):
 
     def __getitem__(self, index):
         index, seed = index if isinstance(index, tuple) else (index, None)
-        if self.decode == 'gpu':  # (bytes (n,) uint8, label, the seed of its draws or -1, index): collate_bytes
-            return torchvision.io.read_file(self.samples[index][0]), self.targets[index], -1 if seed is None else \
-                seed, index
+        if self.decode == 'gpu':  # (the file's bytes, label, the seed of its draws or -1, index): collate_bytes
+            with open(self.samples[index][0], 'rb') as f:
+                return f.read(), self.targets[index], -1 if seed is None else seed, index
         try:
             with seeded(seed):
                 return super().__getitem__(index)
@@ -181,18 +181,21 @@ def seeded(seed):
 
 
 def collate_bytes(batch):
-    """ImageFolder(decode='gpu') items -> ([bytes (n_i,) uint8], labels (B,), seeds (B,), indices (B,))."""
-    data, *rest = zip(*batch)
-    return [list(data)] + [torch.tensor(v) for v in rest]
+    """ImageFolder(decode='gpu') items -> (all files' bytes end to end (n,) uint8, labels (B,), each file's byte
+    count, seeds, indices (B,)): one tensor through shared memory (a tensor per file took a descriptor each)."""
+    data, label, seed, index = zip(*batch)
+    return (torch.frombuffer(bytearray(b''.join(data)), dtype=torch.uint8), torch.tensor(label),
+            torch.tensor([len(d) for d in data]), torch.tensor(seed), torch.tensor(index))
 
 
-def decode_batch(data, seeds, index, dataset, device):
+def decode_batch(data, sizes, seeds, index, dataset, device):
     """--decode gpu: the files' bytes decoded by torchvision.io.decode_jpeg on `device` (nvJPEG on CUDA, all at once;
     a file nvJPEG refuses, e.g. a PNG named .JPEG as one ImageNet training image, by decode_image on the CPU), then
     dataset.transform per image on the device under the image's seed: the crop, resize and flip draw exactly what
     the PIL path draws (the same transform, the same RNG, and its draws depend on the image size only). The pixels
     differ by the resize: torch's antialiased interpolate, not PIL's (tests/test_train_imagenet.py says how much).
-    -> uint8 (B, 3, S, S) on device."""
+    data: the files' bytes end to end (sizes: each file's count). -> uint8 (B, 3, S, S) on device."""
+    data = list(data.split(sizes.tolist()))
     try:
         images = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
     except RuntimeError:  # not a JPEG (or CMYK on nvJPEG): decode one at a time, and name a file nothing decodes
@@ -216,7 +219,7 @@ def on_device(loader, mean, std, fmt=torch.preserve_format):
     be decoded (label < 0) is named while the labels are still on the CPU (no host sync). --decode gpu: the loader
     sends the files' bytes, decoded and transformed here (decode_batch)."""
     for x, y, *rest in loader:
-        if rest:  # bytes, labels, seeds, indices
+        if rest:  # bytes, labels, byte counts, seeds, indices
             x = decode_batch(x, *rest, loader.dataset, mean.device)
         elif (y < 0).any():
             raise UserError(f'cannot decode the image {loader.dataset.samples[-1 - int(y.min())][0]} (corrupt or '

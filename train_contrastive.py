@@ -153,7 +153,7 @@ def get_args(argv=None):
 # Views, on the device and batched, from augment.py's ops (each equal to torchvision's on uint8 images; tested).
 # Every draw first, in torchvision's order; then one host sync reads which images drew jitter, grey, blur and
 # where in the jitter order hue runs, and each of those ops runs on those images only (they are per image: the
-# same pixels as running it on all and keeping it where drawn, tests/test_views.py; README, Performance).
+# same pixels as running it on all and keeping it where drawn, tests/test_fast_input.py; README, Performance).
 def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
     """View `view` (0 or 1: its blur and solarize probabilities) of the images x_u8 (b, 3, H, W) uint8 ->
     (b, 3, size, size) normalised. Every draw is made for the global batch of B; this rank keeps rows
@@ -271,7 +271,7 @@ class MoCo(nn.Module):
     @torch.no_grad()
     def update_momentum_encoder(self, m):  # theta_k <- m theta_k + (1 - m) theta_q (MoCo eq. 2)
         # = theta_k + (1 - m) (theta_q - theta_k): torch.optim.swa_utils' EMA, one torch._foreach_lerp_ over all
-        # parameters (was 3 kernels per parameter, ~650 launches a ViT-S step; tests/test_views.py)
+        # parameters (was 3 kernels per parameter, ~650 launches a ViT-S step; tests/test_fast_input.py)
         get_ema_multi_avg_fn(m)(list(self.momentum_encoder.parameters()), list(self.base_encoder.parameters()), None)
 
 

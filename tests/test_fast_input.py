@@ -168,3 +168,68 @@ def test_linear_probe_is_few_full_batch_steps_to_the_optimum():
     grad_w, grad_b = err.T @ z / len(y) + args.linear_wd * W, err.mean(0)
     assert grad_w.abs().max() < 1e-4 and grad_b.abs().max() < 1e-4
     assert (clf((f - mu) / sd).argmax(1) == y).float().mean() > 0.5
+
+
+# -----------------------------------------------------------------------------
+# train_imagenet.py's loader: per-image seeding, --workers, --decode gpu (run here on the CPU device).
+def imagenet_args(folder, recipe, *extra):
+    import train_imagenet as ti
+    return ti, ti.get_args(['--data', str(folder), '--recipe', recipe, '--img-size', '48', *extra])
+
+
+@pytest.mark.parametrize('recipe', ['sam', 'convmixer'])
+def test_each_image_draws_what_torch_manual_seed_drew_without_calling_it(jpeg_folder, recipe, monkeypatch):
+    """The oracle is the code before issue 37: torch.manual_seed(seed), then the transform. Now only the CPU
+    generator is seeded: the same crops, flips and RandAugment ops, and torch.manual_seed is never called."""
+    import data
+    ti, args = imagenet_args(jpeg_folder, recipe)
+    ds = data.ImageFolder(jpeg_folder, 'train', ti.train_transform(args, ti.MEANS[args.norm][0]), 48)
+    items = [(i, 77 + 1000 * i) for i in range(len(ds))]
+    want = []
+    for i, seed in items:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            want.append(ds.transform(ds.loader(ds.samples[i][0])))
+    monkeypatch.setattr(torch, 'manual_seed', lambda *a: pytest.fail('torch.manual_seed called per image'))
+    state = torch.get_rng_state()
+    got = [ds[it][0] for it in items]
+    assert torch.equal(torch.stack(got), torch.stack(want)) and torch.equal(torch.get_rng_state(), state)
+
+
+def test_workers_default_is_the_cores_per_local_process_minus_one(jpeg_folder, monkeypatch):
+    cores = len(__import__('os').sched_getaffinity(0))
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '1')
+    assert imagenet_args(jpeg_folder, 'sam')[1].workers == cores - 1
+    assert tc.get_args(['--dataset', 'imagenet']).workers == cores - 1
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', str(cores))  # one core each: load in the main process
+    assert imagenet_args(jpeg_folder, 'sam')[1].workers == 0
+    assert imagenet_args(jpeg_folder, 'sam', '--workers', '3')[1].workers == 3
+
+
+@pytest.mark.parametrize('recipe, max_diff, frac_over_1', [('sam', 1, 0.0), ('convmixer', 255, 0.1)])
+def test_decode_gpu_on_the_cpu_device_matches_the_pil_path(jpeg_folder, recipe, max_diff, frac_over_1):
+    """--decode gpu's code with device cpu against the PIL path, image for image under the same seeds, through the
+    training loader (2 workers reading bytes) and the validation transform. decode_jpeg (libjpeg-turbo) and PIL
+    decode to the same pixels; the crop box and the flip are the same draws; the resize is torch's antialiased
+    interpolate on uint8 instead of PIL's fixed-point one: +-1 on some pixels ('sam'). RandAugment's ops on a
+    tensor are torchvision's tensor kernels, not PIL's (rotation and shear resample differently, and the fill):
+    the 'convmixer' recipe differs more on the images that drew them (measured: ~4% of the values by more than 1)."""
+    import data
+    ti, args = imagenet_args(jpeg_folder, recipe)
+    tf = ti.train_transform(args, ti.MEANS[args.norm][0])
+    pil = data.ImageFolder(jpeg_folder, 'train', tf, 48)
+    raw = data.ImageFolder(jpeg_folder, 'train', tf, 48, decode='gpu')
+    items = [(i, 5 + 1000 * i) for i in range(len(pil))]
+    want = torch.stack([pil[it][0] for it in items])
+    loader = torch.utils.data.DataLoader(raw, batch_size=5, sampler=items, num_workers=2,
+                                         collate_fn=data.collate_bytes)
+    mean, std = torch.zeros(1, 3, 1, 1), torch.full((1, 3, 1, 1), 1 / 255)  # normalize() then gives 0..255 back
+    got = torch.cat([x for x, _ in data.on_device(loader, mean, std)]).round().to(torch.uint8)
+    diff = (got.int() - want.int()).abs()
+    assert diff.max() <= max_diff and (diff > 1).float().mean() <= frac_over_1
+    if recipe == 'sam':  # and the evaluation transform (resize, centre crop)
+        val = data.ImageFolder(jpeg_folder, 'val', data.eval_transform(48, to_float=False), 48)
+        val_raw = data.ImageFolder(jpeg_folder, 'val', val.transform, 48, decode='gpu')
+        batch = data.collate_bytes([val_raw[i] for i in range(len(val_raw))])
+        ref = torch.stack([val[i][0] for i in range(len(val))])
+        assert (data.decode_batch(batch[0], *batch[2:], val_raw, 'cpu').int() - ref.int()).abs().max() <= 1
