@@ -142,6 +142,17 @@ def node_workers():
     return max(0, len(os.sched_getaffinity(0)) // int(os.environ.get('LOCAL_WORLD_SIZE', 1)) - 1)
 
 
+def train_transform(args, mean):
+    """train_imagenet.py's training transform (args: img_size, crop_min, randaug_n, randaug_m; bench.py times it).
+    In the loader workers, per image: crop, flip, RandAugment, to uint8 (normalised on the device: on_device)."""
+    t = [v2.RandomResizedCrop(args.img_size, scale=(args.crop_min, 1.0), antialias=True), v2.RandomHorizontalFlip()]
+    if args.randaug_n > 0:  # torchvision's 31 bins; filled with the mean pixel, as timm. Deviations from timm's
+        # rand-m9-mstd0.5: m9 of 10 is bin 27 of 30, with no N(m, 0.5) jitter of m; torchvision's op set.
+        t.append(v2.RandAugment(args.randaug_n, args.randaug_m, 31, v2.InterpolationMode.BILINEAR,
+                                fill=[round(255 * m) for m in mean]))
+    return v2.Compose(t + [v2.PILToTensor()])
+
+
 class ImageFolder(torchvision.datasets.ImageFolder):
     """torchvision's, with three changes. An index (i, seed) draws image i's augmentation from torch's RNG seeded with
     `seed` (ResumableSampler gives one per image and epoch): the draws do not depend on the worker, the batch size

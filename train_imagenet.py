@@ -29,7 +29,7 @@ from torchvision.transforms import v2
 
 from augment import random_erasing
 from data import (LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, collate_bytes, eval_transform, node_workers,
-                  on_device)
+                  on_device, train_transform)
 from models import build_model, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
@@ -171,17 +171,8 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Data: decoding, crop, flip and RandAugment per image in the loader workers; mixup/cutmix on the batch on the GPU.
-def train_transform(args, mean):
-    """In the loader workers, per image: crop, flip, RandAugment, to uint8 (normalised on the device: on_device)."""
-    t = [v2.RandomResizedCrop(args.img_size, scale=(args.crop_min, 1.0), antialias=True), v2.RandomHorizontalFlip()]
-    if args.randaug_n > 0:  # torchvision's 31 bins; filled with the mean pixel, as timm. Deviations from timm's
-        # rand-m9-mstd0.5: m9 of 10 is bin 27 of 30, with no N(m, 0.5) jitter of m; torchvision's op set.
-        t.append(v2.RandAugment(args.randaug_n, args.randaug_m, 31, v2.InterpolationMode.BILINEAR,
-                                fill=[round(255 * m) for m in mean]))
-    return v2.Compose(t + [v2.PILToTensor()])
-
-
+# Data: decoding, crop, flip and RandAugment per image in the loader workers (data.train_transform; --decode gpu:
+# on the device); mixup/cutmix on the batch on the GPU.
 def seed_epoch(seed, epoch, rank, start):
     """This process's RNG (mixup, erasing, dropout) from (seed, epoch, rank, first step): a resume at an epoch
     boundary draws what the uninterrupted run drew. (Crops, flips, RandAugment: per image, ResumableSampler.)"""
