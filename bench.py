@@ -22,6 +22,7 @@ import platform
 import resource
 import sys
 import tempfile
+import time
 
 import timm
 import torch
@@ -176,9 +177,11 @@ def warm_up(*step_args, n=2):
         step()
 
 
-def median_s(fn, min_run_time, threads=None):
-    """Median seconds per call of fn() from torch.utils.benchmark (which syncs CUDA per block)."""
-    timer = benchmark.Timer('fn()', globals={'fn': fn}, num_threads=threads or torch.get_num_threads())
+def median_s(fn, min_run_time, threads=None, clock=None):
+    """Median seconds per call of fn() from torch.utils.benchmark (which syncs CUDA per block); clock: its clock
+    (default wall time; time.process_time: this process's CPU seconds, what one core spends whatever the load)."""
+    timer = benchmark.Timer('fn()', globals={'fn': fn}, num_threads=threads or torch.get_num_threads(),
+                            **({'timer': clock} if clock else {}))
     return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
@@ -288,7 +291,8 @@ def bench_loader(args):
     """Per recipe: ours (data.ImageFolder: PIL, the recipe's transform under each image's seed, uint8 out) and
     --decode gpu's worker part (the file's bytes), each on one core, beside torchvision's ImageFolder + the same
     transforms.v2 recipe with ToDtype + Normalize in the worker (float32 out, as torchvision's reference scripts).
-    --decode gpu's device part (decode_jpeg, then the transform per image) is timed on --device: a note."""
+    --decode gpu's device part (decode_jpeg, then the transform per image) is timed on --device: a note. On the CPU
+    the clock is the process's CPU time: img/s per second of one core's work, whatever else the machine runs."""
     n = 16 if args.quick else 64
     rows, threads = [], torch.get_num_threads()
     with tempfile.TemporaryDirectory() as root:
@@ -302,17 +306,18 @@ def bench_loader(args):
                  T.v2.Normalize(*mean)]))
             items = [(i, 1000 + i) for i in range(n)]
             torch.set_num_threads(1)
-            ref_s = median_s(lambda: [ref[i] for i in range(n)], args.min_run_time, threads=1)
+            ref_s = median_s(lambda: [ref[i] for i in range(n)], args.min_run_time, 1, time.process_time)
             recipe = f'recipe {name}: crop (0.08, 1) + flip' + f' + RandAugment({r["randaug_n"]}, {r["randaug_m"]})' * (
                 r['randaug_n'] > 0)
             for decode in ('cpu', 'gpu'):
                 ds = data.ImageFolder(root, 'train', tf, 224, decode)
-                ours_s = median_s(lambda: [ds[it] for it in items], args.min_run_time, threads=1)
+                ours_s = median_s(lambda: [ds[it] for it in items], args.min_run_time, 1, time.process_time)
                 note = f'{recipe}; {n} JPEGs of 500 x 375 px, {kb / n / 1e3:.0f} kB on average'
                 if decode == 'gpu':
                     batch = data.collate_bytes([ds[it] for it in items])
                     dev_s = median_s(lambda: data.decode_batch(batch[0], *batch[2:], ds, args.device),
-                                     args.min_run_time, threads=1 if args.device.type == 'cpu' else threads)
+                                     args.min_run_time, *((1, time.process_time) if args.device.type == 'cpu' else
+                                                          (threads,)))
                     note += (f'; the worker only reads bytes; decode_jpeg + the transform on {args.device.type}: '
                              f'{n / dev_s:,.0f} img/s' + ' (one core)' * (args.device.type == 'cpu'))
                 rows.append(dict(row=f'loader {name}, --decode {decode}, per worker core', px=224, batch=n,
