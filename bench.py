@@ -36,6 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import augment
 import convmixer
 import data
+import loader
 import mixer
 import vit
 from data import MEAN, STD
@@ -300,7 +301,7 @@ def bench_loader(args):
         kb = sum(os.path.getsize(p) for p, _ in torchvision.datasets.ImageFolder(os.path.join(root, 'train')).samples)
         for name, r in LOADER_RECIPES.items():
             mean = data.MEANS[r['norm']]
-            tf = data.train_transform(argparse.Namespace(img_size=224, **r), mean[0])
+            tf = loader.train_transform(argparse.Namespace(img_size=224, **r), mean[0])
             ref = torchvision.datasets.ImageFolder(os.path.join(root, 'train'), transform=T.v2.Compose(
                 [*tf.transforms[:-1], T.v2.PILToTensor(), T.v2.ToDtype(torch.float32, scale=True),
                  T.v2.Normalize(*mean)]))
@@ -314,8 +315,8 @@ def bench_loader(args):
                 ours_s = median_s(lambda: [ds[it] for it in items], args.min_run_time, 1, time.process_time)
                 note = f'{recipe}; {n} JPEGs of 500 x 375 px, {kb / n / 1e3:.0f} kB on average'
                 if decode == 'gpu':
-                    batch = data.collate_bytes([ds[it] for it in items])
-                    dev_s = median_s(lambda: data.decode_batch(batch[0], *batch[2:], ds, args.device),
+                    batch = loader.collate_bytes([ds[it] for it in items])
+                    dev_s = median_s(lambda: loader.decode_batch(batch[0], *batch[2:], ds, args.device),
                                      args.min_run_time, *((1, time.process_time) if args.device.type == 'cpu' else
                                                           (threads,)))
                     note += (f'; the worker only reads bytes; decode_jpeg + the transform on {args.device.type}: '

@@ -4,7 +4,6 @@ CIFAR-10/100: decoded once into uint8 tensors (N, 3, 32, 32), from torchvision's
 DIR/{train,test}/<class>/*, with class-balanced subsets; evaluated from the device, exactly under DDP.
 ImageNet-style folders: DIR/{train,val}/<wnid>/*, read by torchvision's ImageFolder in loader workers.
 """
-import contextlib
 import itertools
 import os
 from pathlib import Path
@@ -17,6 +16,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_cla
 from torchvision.transforms import v2
 
 from augment import normalize
+from loader import decode_batch, seeded
 from utils import UserError, epoch_seed, one_line, score
 
 # -----------------------------------------------------------------------------
@@ -136,29 +136,11 @@ def eval_transform(img_size, crop_pct=0.875, interp='bilinear', norm='jax', to_f
     return v2.Compose(t + ([v2.ToDtype(torch.float32, scale=True), v2.Normalize(*MEANS[norm])] if to_float else []))
 
 
-def node_workers():
-    """Loader processes per training process: the CPU cores this process may use, shared by the node's local
-    processes (torchrun's LOCAL_WORLD_SIZE), less one for the process itself (at least 0: the main process)."""
-    return max(0, len(os.sched_getaffinity(0)) // int(os.environ.get('LOCAL_WORLD_SIZE', 1)) - 1)
-
-
-def train_transform(args, mean):
-    """train_imagenet.py's training transform (args: img_size, crop_min, randaug_n, randaug_m; bench.py times it).
-    In the loader workers, per image: crop, flip, RandAugment, to uint8 (normalised on the device: on_device)."""
-    t = [v2.RandomResizedCrop(args.img_size, scale=(args.crop_min, 1.0), antialias=True), v2.RandomHorizontalFlip()]
-    if args.randaug_n > 0:  # torchvision's 31 bins; filled with the mean pixel, as timm. Deviations from timm's
-        # rand-m9-mstd0.5: m9 of 10 is bin 27 of 30, with no N(m, 0.5) jitter of m; torchvision's op set.
-        t.append(v2.RandAugment(args.randaug_n, args.randaug_m, 31, v2.InterpolationMode.BILINEAR,
-                                fill=[round(255 * m) for m in mean]))
-    return v2.Compose(t + [v2.PILToTensor()])
-
-
 class ImageFolder(torchvision.datasets.ImageFolder):
-    """torchvision's, with three changes. An index (i, seed) draws image i's augmentation from torch's RNG seeded with
-    `seed` (ResumableSampler gives one per image and epoch): the draws do not depend on the worker, the batch size
-    or a resume. An image PIL cannot decode comes back blank with label -1 - i: an exception in a loader worker
-    reaches the main process inside the worker's traceback, so on_device() names the file. decode='gpu': the
-    workers only read the file's bytes, and on_device() decodes and transforms them on the training device."""
+    """torchvision's, with three changes. An index (i, seed) draws image i's augmentation from its own seed (loader.
+    seeded; ResumableSampler gives one per image and epoch), whatever the worker, batch size or resume. An image PIL
+    cannot decode comes back blank with label -1 - i (on_device() names the file: a worker's exception arrives inside
+    its traceback). decode='gpu': the workers read the file's bytes only (for loader.decode_batch)."""
 
     def __init__(self, root, split, transform, img_size, decode='cpu'):
         try:
@@ -170,8 +152,7 @@ class ImageFolder(torchvision.datasets.ImageFolder):
     def __getitem__(self, index):
         index, seed = index if isinstance(index, tuple) else (index, None)
         if self.decode == 'gpu':  # (the file's bytes, label, the seed of its draws or -1, index): collate_bytes
-            with open(self.samples[index][0], 'rb') as f:
-                return f.read(), self.targets[index], -1 if seed is None else seed, index
+            return Path(self.samples[index][0]).read_bytes(), self.targets[index], -1 if seed is None else seed, index
         try:
             with seeded(seed):
                 return super().__getitem__(index)
@@ -179,56 +160,10 @@ class ImageFolder(torchvision.datasets.ImageFolder):
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), -1 - index
 
 
-@contextlib.contextmanager
-def seeded(seed):
-    """torch's CPU RNG seeded with seed inside (None: untouched), the caller's state restored after. Only the CPU
-    generator, where torchvision's transforms draw: torch.manual_seed would also seed CUDA (lazily, formatting a
-    stack trace each call when CUDA is not initialised) and other backends: ~270 us a call on this repo's CPU, this
-    ~14 us (README, Performance). The same draws: torch.manual_seed seeds this very generator with the same seed."""
-    with torch.random.fork_rng(devices=[], enabled=seed is not None):
-        if seed is not None:
-            torch.default_generator.manual_seed(seed)
-        yield
-
-
-def collate_bytes(batch):
-    """ImageFolder(decode='gpu') items -> (all files' bytes end to end (n,) uint8, labels (B,), each file's byte
-    count, seeds, indices (B,)): one tensor through shared memory (a tensor per file took a descriptor each)."""
-    data, label, seed, index = zip(*batch)
-    return (torch.frombuffer(bytearray(b''.join(data)), dtype=torch.uint8), torch.tensor(label),
-            torch.tensor([len(d) for d in data]), torch.tensor(seed), torch.tensor(index))
-
-
-def decode_batch(data, sizes, seeds, index, dataset, device):
-    """--decode gpu: the files' bytes decoded by torchvision.io.decode_jpeg on `device` (nvJPEG on CUDA, all at once;
-    a file nvJPEG refuses, e.g. a PNG named .JPEG as one ImageNet training image, by decode_image on the CPU), then
-    dataset.transform per image on the device under the image's seed: the crop, resize and flip draw exactly what
-    the PIL path draws (the same transform, the same RNG, and its draws depend on the image size only). The pixels
-    differ by the resize: torch's antialiased interpolate, not PIL's (tests/test_train_imagenet.py says how much).
-    data: the files' bytes end to end (sizes: each file's count). -> uint8 (B, 3, S, S) on device."""
-    data = list(data.split(sizes.tolist()))
-    try:
-        images = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
-    except RuntimeError:  # not a JPEG (or CMYK on nvJPEG): decode one at a time, and name a file nothing decodes
-        images = []
-        for d, i in zip(data, index.tolist()):
-            try:
-                images.append(torchvision.io.decode_image(d, mode=torchvision.io.ImageReadMode.RGB).to(device))
-            except RuntimeError:
-                raise UserError(f'cannot decode the image {dataset.samples[i][0]} (corrupt or truncated); replace '
-                                'or delete it') from None
-    out = []
-    for image, seed in zip(images, seeds.tolist()):
-        with seeded(seed if seed >= 0 else None):
-            out.append(dataset.transform(image))
-    return torch.stack(out)
-
-
 def on_device(loader, mean, std, fmt=torch.preserve_format):
     """The loader's uint8 batches normalised on the device of mean, std ((1, 3, 1, 1) tensors): a quarter of the
     bytes of float32 through shared memory and the copy, non_blocking from pinned memory. An image that could not
-    be decoded (label < 0) is named while the labels are still on the CPU (no host sync). --decode gpu: the loader
-    sends the files' bytes, decoded and transformed here (decode_batch)."""
+    be decoded (label < 0) is named while the labels are still on the CPU (no host sync). --decode gpu: decode_batch."""
     for x, y, *rest in loader:
         if rest:  # bytes, labels, byte counts, seeds, indices
             x = decode_batch(x, *rest, loader.dataset, mean.device)

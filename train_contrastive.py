@@ -49,7 +49,8 @@ from torchvision.transforms import v2
 
 import augment
 import vit
-from data import MEAN, NUM_CLASSES, STD, load_cifar, node_workers
+from data import MEAN, NUM_CLASSES, STD, load_cifar
+from loader import node_workers
 from models import build_model, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic
 from sam import SAM, first_pass, second_pass
@@ -307,9 +308,8 @@ def load_data(args, device, rank=0, world=1):
     sets['train'].transform = v2.Compose([v2.Resize(side), v2.CenterCrop(side), v2.PILToTensor()])
     train_eval.transform = test.transform = v2.Compose([v2.Resize(side), v2.CenterCrop(args.img_size),
                                                         v2.PILToTensor()])
-    # Loaders built once, their workers persistent (an epoch or an evaluation does not start them again): the train
-    # loader's batch_sampler is a list that epoch_order refills each epoch (the workers get its batches from here);
-    # the feature loaders read this rank's rows of train and val (as features() slices a tensor).
+    # Loaders built once, workers persistent: the train loader's batch_sampler is a list epoch_order refills each
+    # epoch; the (pinned) feature loaders read this rank's rows of train and val, as features() slices a tensor.
     kw = dict(num_workers=args.workers, pin_memory=device.type == 'cuda', persistent_workers=args.workers > 0)
     rows = lambda n: range(n * rank // world, n * (rank + 1) // world)
     return dict(train=torch.utils.data.DataLoader(sets['train'], batch_sampler=[], **kw),
@@ -401,11 +401,9 @@ def evaluate(backbone, data, args, autocast, rank, world, epoch, step, t_start):
             scores = knn_scores(train_f, data['train_y'], test_f, data['classes'], args.knn_k, args.knn_t)
             loss = -scores.gather(1, test_y[:, None]).clamp_min(1e-6).log()
         else:
-            # rank 0 trains the probe, the others receive it (they wait at the broadcast)
             clf, mu, sd = linear_probe(train_f, data['train_y'], data['classes'], args) if rank == 0 else \
-                (nn.Linear(train_f.shape[1], data['classes']).to(train_f.device), train_f.mean(0),
-                 train_f.std(0) + 1e-6)
-            for t in clf.parameters() if world > 1 else ():
+                (nn.Linear(train_f.shape[1], data['classes']).to(mean.device), train_f.mean(0), train_f.std(0) + 1e-6)
+            for t in clf.parameters() if world > 1 else ():  # rank 0 trained the probe: the others receive it
                 dist.broadcast(t.data, 0)
             scores = clf((test_f - mu) / sd)  # logits
             loss = F.cross_entropy(scores, test_y, reduction='none')

@@ -28,8 +28,8 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from augment import random_erasing
-from data import (LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, collate_bytes, eval_transform, node_workers,
-                  on_device, train_transform)
+from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform, on_device
+from loader import collate_bytes, node_workers, train_transform
 from models import build_model, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
@@ -370,9 +370,8 @@ def main(argv=None):
             f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
         leave(distributed)
         return res
-    # broadcast_buffers=False: no broadcast of rank 0's BatchNorm statistics before every forward. They do not enter a
-    # training forward, and rank 0's evolve the same either way (from its own batches); the epoch-end broadcast
-    # below gives every rank rank 0's for the evaluation, and a checkpoint holds rank 0's: one of the two is enough.
+    # no broadcast of rank 0's BatchNorm statistics before each forward: a training forward does not read them, rank
+    # 0's evolve alike either way, and the epoch-end broadcast below gives the evaluation rank 0's (as saved)
     train_model = wrap_ddp(model, proc, broadcast_buffers=False)
     train_model = torch.compile(train_model) if args.compile else train_model  # DDP overlaps buckets with backward
     optimizer = make_optimizer(args, model)

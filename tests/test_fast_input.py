@@ -182,6 +182,7 @@ def test_each_image_draws_what_torch_manual_seed_drew_without_calling_it(jpeg_fo
     """The oracle is the code before issue 37: torch.manual_seed(seed), then the transform. Now only the CPU
     generator is seeded: the same crops, flips and RandAugment ops, and torch.manual_seed is never called."""
     import data
+    import loader
     ti, args = imagenet_args(jpeg_folder, recipe)
     ds = data.ImageFolder(jpeg_folder, 'train', ti.train_transform(args, ti.MEANS[args.norm][0]), 48)
     items = [(i, 77 + 1000 * i) for i in range(len(ds))]
@@ -215,21 +216,22 @@ def test_decode_gpu_on_the_cpu_device_matches_the_pil_path(jpeg_folder, recipe, 
     tensor are torchvision's tensor kernels, not PIL's (rotation and shear resample differently, and the fill):
     the 'convmixer' recipe differs more on the images that drew them (measured: ~4% of the values by more than 1)."""
     import data
+    import loader
     ti, args = imagenet_args(jpeg_folder, recipe)
     tf = ti.train_transform(args, ti.MEANS[args.norm][0])
     pil = data.ImageFolder(jpeg_folder, 'train', tf, 48)
     raw = data.ImageFolder(jpeg_folder, 'train', tf, 48, decode='gpu')
     items = [(i, 5 + 1000 * i) for i in range(len(pil))]
     want = torch.stack([pil[it][0] for it in items])
-    loader = torch.utils.data.DataLoader(raw, batch_size=5, sampler=items, num_workers=2,
-                                         collate_fn=data.collate_bytes)
+    batches = torch.utils.data.DataLoader(raw, batch_size=5, sampler=items, num_workers=2,
+                                          collate_fn=loader.collate_bytes)
     mean, std = torch.zeros(1, 3, 1, 1), torch.full((1, 3, 1, 1), 1 / 255)  # normalize() then gives 0..255 back
-    got = torch.cat([x for x, _ in data.on_device(loader, mean, std)]).round().to(torch.uint8)
+    got = torch.cat([x for x, _ in data.on_device(batches, mean, std)]).round().to(torch.uint8)
     diff = (got.int() - want.int()).abs()
     assert diff.max() <= max_diff and (diff > 1).float().mean() <= frac_over_1
     if recipe == 'sam':  # and the evaluation transform (resize, centre crop)
         val = data.ImageFolder(jpeg_folder, 'val', data.eval_transform(48, to_float=False), 48)
         val_raw = data.ImageFolder(jpeg_folder, 'val', val.transform, 48, decode='gpu')
-        batch = data.collate_bytes([val_raw[i] for i in range(len(val_raw))])
+        batch = loader.collate_bytes([val_raw[i] for i in range(len(val_raw))])
         ref = torch.stack([val[i][0] for i in range(len(val))])
-        assert (data.decode_batch(batch[0], *batch[2:], val_raw, 'cpu').int() - ref.int()).abs().max() <= 1
+        assert (loader.decode_batch(batch[0], *batch[2:], val_raw, 'cpu').int() - ref.int()).abs().max() <= 1
