@@ -235,3 +235,21 @@ def test_decode_gpu_on_the_cpu_device_matches_the_pil_path(jpeg_folder, recipe, 
         batch = loader.collate_bytes([val_raw[i] for i in range(len(val_raw))])
         ref = torch.stack([val[i][0] for i in range(len(val))])
         assert (loader.decode_batch(batch[0], *batch[2:], val_raw, 'cpu').int() - ref.int()).abs().max() <= 1
+
+
+def test_train_imagenet_decode_gpu_runs_on_the_cpu_device_and_names_a_file_it_cannot_decode(jpeg_folder, tmp_path):
+    """--decode gpu through train_imagenet.main (a loader worker reading bytes, decode and crop on the CPU device):
+    two steps and an exact evaluation of the 8 validation images; a file that is no image is one clear error."""
+    import shutil
+    import train_imagenet as ti
+    from utils import UserError
+    argv = ['--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=32', 'heads=2', '--img-size', '32', '--batch-size', '4',
+            '--epochs', '1', '--warmup-steps', '1', '--workers', '1', '--decode', 'gpu', '--log-every', '1',
+            '--eval-batch-size', '3']
+    res = ti.main(['--data', str(jpeg_folder), *argv, '--out', str(tmp_path / 'run')])
+    assert res['n'] == 8 and math.isfinite(res['loss'])
+    bad = tmp_path / 'bad'
+    shutil.copytree(jpeg_folder, bad)
+    (bad / 'val' / 'b' / '2.JPEG').write_bytes(b'not a JPEG at all')
+    with pytest.raises(UserError, match=r'cannot decode the image .*val/b/2\.JPEG'):
+        ti.main(['--data', str(bad), *argv, '--out', str(tmp_path / 'run_bad')])
