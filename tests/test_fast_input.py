@@ -182,7 +182,6 @@ def test_each_image_draws_what_torch_manual_seed_drew_without_calling_it(jpeg_fo
     """The oracle is the code before issue 37: torch.manual_seed(seed), then the transform. Now only the CPU
     generator is seeded: the same crops, flips and RandAugment ops, and torch.manual_seed is never called."""
     import data
-    import loader
     ti, args = imagenet_args(jpeg_folder, recipe)
     ds = data.ImageFolder(jpeg_folder, 'train', ti.train_transform(args, ti.MEANS[args.norm][0]), 48)
     items = [(i, 77 + 1000 * i) for i in range(len(ds))]
