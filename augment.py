@@ -202,14 +202,19 @@ def adjust_hue(x, f):
     return torch.stack([red, green, blue], 1).mul_(255 + 1.0 - 1e-3).floor_()
 
 
-def color_jitter(x, factors, order):
+def color_jitter(x, factors, order, hue_rows=None):
     """ColorJitter: brightness, contrast, saturation factors and a hue offset (factors (B, 4) float64), in
-    a per-image order (B, 4) (a permutation of 0..3 per row): slot s of image b runs op order[b, s]."""
+    a per-image order (B, 4) (a permutation of 0..3 per row): slot s of image b runs op order[b, s].
+    hue_rows: per slot, the indices (int64, on x's device) of the images that run hue there, for hue on those
+    only (the caller read order on the host); None: hue on all, kept where drawn (no host sync)."""
     B = len(x)
     for slot in range(4):
         k = order[:, slot]  # 0 brightness, 1 contrast, 2 saturation (one blend, factor 1 for hue: the identity)
         x = blend_ops(x, torch.where(k == 3, 1.0, factors.gather(1, k[:, None])[:, 0]), k == 2, k == 1)
-        x = torch.where((k == 3).view(B, 1, 1, 1), adjust_hue(x, factors[:, 3].float().view(B, 1, 1)), x)
+        if hue_rows is None:
+            x = torch.where((k == 3).view(B, 1, 1, 1), adjust_hue(x, factors[:, 3].float().view(B, 1, 1)), x)
+        elif len(rows := hue_rows[slot]):  # (per image: the other rows' pixels do not enter)
+            x = x.index_copy(0, rows, adjust_hue(x[rows], factors[rows, 3].float().view(-1, 1, 1)))
     return x
 
 

@@ -4,10 +4,13 @@ Model rows: a training step (fwd + bwd + AdamW) of our model beside timm's model
 same weights, batch and dtype; our SAM step over our base step; peak memory; training FLOPs; on CUDA
 the achieved TFLOP/s and MFU. cifar rows: augment.make_augment at train_cifar.py's default recipe beside
 locuslab/convmixer-cifar10's PIL pipeline (one image at a time), both on one core; then its share of a CIFAR step.
+loader rows: train_imagenet.py's input per loader worker core, for each recipe and --decode path, on ImageNet-sized
+JPEGs made here, beside torchvision's ImageFolder + transforms.v2 with the same recipe.
 
     python bench.py --quick            # every row at small sizes: a few minutes on 2 CPU cores
     python bench.py                    # full sizes
     python bench.py --rows vit_b16,mixer_b16,convmixer_768_32,cifar --compile --json bench.json
+    python bench.py --rows loader      # the ImageNet input rows only
 """
 import argparse
 import datetime
@@ -19,6 +22,7 @@ import platform
 import resource
 import sys
 import tempfile
+import time
 
 import timm
 import torch
@@ -31,6 +35,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import augment
 import convmixer
+import data
+import loader
 import mixer
 import vit
 from data import MEAN, STD
@@ -56,6 +62,11 @@ ROWS = {
 CIFAR_RUN = dict(model='convmixer_256_8', batch_size=512, aug='strong', scale=1.0, randaug_n=2, randaug_m=12,
                  jitter=0.0, reprob=0.0)
 
+# train_imagenet.py's recipes, as the loader rows need them (tests/test_bench.py checks them against its RECIPES):
+# the crop's smallest area, RandAugment ops and magnitude bin, and the normalisation.
+LOADER_RECIPES = {'sam': dict(crop_min=0.08, randaug_n=0, randaug_m=27, norm='jax'),
+                  'convmixer': dict(crop_min=0.08, randaug_n=2, randaug_m=27, norm='imagenet')}
+
 # Dense bf16 tensor-core peak FLOP/s by the exact torch.cuda.get_device_name() (a substring match gave "H200 NVL"
 # the H200's 989 and "L40" the L4's). NVIDIA data sheets, with 2:4 sparsity (halved here): H100 and H200 SXM 1,979,
 # H100 PCIe 1,513, H100 / H200 NVL 1,671, L4 242; dense as printed: A100 312, L40S 362.05, L40 181.05 TFLOP/s.
@@ -68,7 +79,7 @@ PEAK_BF16 = {'NVIDIA H100 80GB HBM3': 989.5e12, 'NVIDIA H100 PCIe': 756.5e12, 'N
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('--rows', default=','.join([*ROWS, 'cifar']), help='comma-separated rows (default: all)')
+    p.add_argument('--rows', default=','.join([*ROWS, 'cifar', 'loader']), help='comma-separated rows (default: all)')
     p.add_argument('--quick', action='store_true', help='small batches (and 112 px for ConvMixer-768/32)')
     p.add_argument('--device', default='auto', choices=['auto', 'cuda', 'cpu'], help='auto = cuda if available')
     p.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'off'], help='autocast dtype, both sides; '
@@ -85,16 +96,17 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     args.rows = [r for r in args.rows.split(',') if r]
     if not args.rows:
-        raise UserError(f'--rows names no row; valid rows: {", ".join(ROWS)}, cifar')
-    if bad := [r for r in args.rows if r not in (*ROWS, 'cifar')]:
-        raise UserError(f'unknown row(s) {", ".join(bad)}; valid rows: {", ".join(ROWS)}, cifar')
+        raise UserError(f'--rows names no row; valid rows: {", ".join(ROWS)}, cifar, loader')
+    if bad := [r for r in args.rows if r not in (*ROWS, 'cifar', 'loader')]:
+        raise UserError(f'unknown row(s) {", ".join(bad)}; valid rows: {", ".join(ROWS)}, cifar, loader')
     for name in ('batch_size', 'img_size', 'min_run_time', 'peak_tflops', 'sam_m'):
         if (v := getattr(args, name)) is not None and not (math.isfinite(v) and v > 0):  # nan: blocked_autorange hangs
             raise UserError(f'--{name.replace("_", "-")} must be a finite number > 0, got {v}')
     cuda = args.device == 'cuda' or (args.device == 'auto' and torch.cuda.is_available())
-    refuse_loose(p, argv, [(set(args.rows) - {'cifar'}, 'a model row in --rows (the cifar row: 32 px, eager, no SAM)',
+    refuse_loose(p, argv, [(set(args.rows) - {'cifar', 'loader'},
+                            'a model row in --rows (the cifar and loader rows: no model to size, eager, no SAM)',
                             ('img_size', 'sam_m', 'compile')), (cuda, 'a GPU (MFU)', ('peak_tflops',))])
-    for name in (r for r in args.rows if args.img_size and r != 'cifar'):  # before building: one line, not a traceback
+    for name in (r for r in args.rows if args.img_size and r not in ('cifar', 'loader')):  # before building: one line
         patch = {'vit': vit, 'mixer': mixer, 'convmixer': convmixer}[name.split('_')[0]].configs[name]['patch_size']
         if args.img_size % patch if not name.startswith('convmixer') else args.img_size < patch:
             raise UserError(f'--img-size {args.img_size} does not fit {name}\'s {patch} px patches (ViT, Mixer: a '
@@ -171,9 +183,11 @@ def warm_up(*step_args, n=2):
         step()
 
 
-def median_s(fn, min_run_time, threads=None):
-    """Median seconds per call of fn() from torch.utils.benchmark (which syncs CUDA per block)."""
-    timer = benchmark.Timer('fn()', globals={'fn': fn}, num_threads=threads or torch.get_num_threads())
+def median_s(fn, min_run_time, threads=None, clock=None):
+    """Median seconds per call of fn() from torch.utils.benchmark (which syncs CUDA per block); clock: its clock
+    (default wall time; time.process_time: this process's CPU seconds, what one core spends whatever the load)."""
+    timer = benchmark.Timer('fn()', globals={'fn': fn}, num_threads=threads or torch.get_num_threads(),
+                            **({'timer': clock} if clock else {}))
     return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
@@ -272,6 +286,60 @@ def bench_cifar(args):
     return rows
 
 
+# The ImageNet input: what one loader worker core delivers, per recipe and decode path.
+def imagenet_jpegs(root, n, seed=0):
+    """n JPEGs of ImageNet's typical 500 x 375 px at quality 90 in root/train/<2 classes>/: smooth noise (bicubic
+    upsampling of 83 x 62 random pixels) + N(0, 4) grain, ~76 kB each (ImageNet's average is ~110 kB)."""
+    from PIL import Image
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        coarse = torch.rand(1, 3, 375 // 6, 500 // 6, generator=g) * 255
+        x = F.interpolate(coarse, size=(375, 500), mode='bicubic') + 4 * torch.randn(1, 3, 375, 500, generator=g)
+        os.makedirs(folder := os.path.join(root, 'train', f'c{i % 2}'), exist_ok=True)
+        Image.fromarray(x.clamp(0, 255).round().to(torch.uint8)[0].permute(1, 2, 0).numpy()).save(
+            os.path.join(folder, f'{i}.JPEG'), quality=90)
+
+
+def bench_loader(args):
+    """Per recipe: ours (data.ImageFolder: PIL, the recipe's transform under each image's seed, uint8 out) and
+    --decode gpu's worker part (the file's bytes), each on one core, beside torchvision's ImageFolder + the same
+    transforms.v2 recipe with ToDtype + Normalize in the worker (float32 out, as torchvision's reference scripts).
+    --decode gpu's device part (decode_jpeg, then the transform per image) is timed on --device: a note. On the CPU
+    the clock is the process's CPU time: img/s per second of one core's work, whatever else the machine runs."""
+    n = 16 if args.quick else 64
+    rows, threads = [], torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as root:
+        imagenet_jpegs(root, n)
+        kb = sum(os.path.getsize(p) for p, _ in torchvision.datasets.ImageFolder(os.path.join(root, 'train')).samples)
+        for name, r in LOADER_RECIPES.items():
+            mean = data.MEANS[r['norm']]
+            tf = loader.train_transform(argparse.Namespace(img_size=224, **r), mean[0])
+            ref = torchvision.datasets.ImageFolder(os.path.join(root, 'train'), transform=T.v2.Compose(
+                [*tf.transforms[:-1], T.v2.PILToTensor(), T.v2.ToDtype(torch.float32, scale=True),
+                 T.v2.Normalize(*mean)]))
+            items = [(i, 1000 + i) for i in range(n)]
+            torch.set_num_threads(1)
+            ref_s = median_s(lambda: [ref[i] for i in range(n)], args.min_run_time, 1, time.process_time)
+            recipe = f'recipe {name}: crop (0.08, 1) + flip' + f' + RandAugment({r["randaug_n"]}, {r["randaug_m"]})' * (
+                r['randaug_n'] > 0)
+            for decode in ('cpu', 'gpu'):
+                ds = data.ImageFolder(root, 'train', tf, 224, decode)
+                ours_s = median_s(lambda: [ds[it] for it in items], args.min_run_time, 1, time.process_time)
+                note = f'{recipe}; {n} JPEGs of 500 x 375 px, {kb / n / 1e3:.0f} kB on average'
+                if decode == 'gpu':
+                    batch = loader.collate_bytes([ds[it] for it in items])
+                    dev_s = median_s(lambda: loader.decode_batch(batch[0], *batch[2:], ds, args.device),
+                                     args.min_run_time, *((1, time.process_time) if args.device.type == 'cpu' else
+                                                          (threads,)))
+                    note += (f'; the worker only reads bytes; decode_jpeg + the transform on {args.device.type}: '
+                             f'{n / dev_s:,.0f} img/s' + ' (one core)' * (args.device.type == 'cpu'))
+                rows.append(dict(row=f'loader {name}, --decode {decode}, per worker core', px=224, batch=n,
+                                 dtype='uint8', mode='eager', ours_s=ours_s, ref_s=ref_s, note=note,
+                                 ref='torchvision ImageFolder + transforms.v2, float32 normalised'))
+            torch.set_num_threads(threads)
+    return rows
+
+
 # The one table.
 def fmt(x):
     return '—' if x is None else f'{x:,.0f}' if abs(x) >= 100 else f'{x:.3g}'
@@ -334,7 +402,8 @@ def main(argv=None):
     head = header(args, argv)
     print(head, flush=True)
     rows = []
-    for compile, name in ((c, r) for c in [False] + [True] * args.compile for r in args.rows if r != 'cifar'):
+    for compile, name in ((c, r) for c in [False] + [True] * args.compile for r in args.rows
+                          if r not in ('cifar', 'loader')):
         for nhwc in layouts(name, args):
             print(f'[bench] {name}{" (compile)" * compile}{" NHWC" * nhwc} ...', file=sys.stderr, flush=True)
             try:
@@ -346,6 +415,9 @@ def main(argv=None):
     if 'cifar' in args.rows:
         print('[bench] cifar ...', file=sys.stderr, flush=True)
         rows += bench_cifar(args)
+    if 'loader' in args.rows:
+        print('[bench] loader ...', file=sys.stderr, flush=True)
+        rows += bench_loader(args)
     gpu = torch.cuda.get_device_name(args.device) if args.device.type == 'cuda' else None
     measured = matmul_peak(args.device) if gpu else None
     print(text := table(rows, gpu, args.peak_tflops, measured))

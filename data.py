@@ -16,6 +16,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_cla
 from torchvision.transforms import v2
 
 from augment import normalize
+from loader import decode_batch, seeded
 from utils import UserError, epoch_seed, one_line, score
 
 # -----------------------------------------------------------------------------
@@ -137,24 +138,24 @@ def eval_transform(img_size, crop_pct=0.875, interp='bilinear', norm='jax', to_f
 
 
 class ImageFolder(torchvision.datasets.ImageFolder):
-    """torchvision's, with two changes. An index (i, seed) draws image i's augmentation from torch's RNG seeded with
-    `seed` (ResumableSampler gives one per image and epoch): the draws do not depend on the worker, the batch size
-    or a resume. An image PIL cannot decode comes back blank with label -1 - i: an exception in a loader worker
-    reaches the main process inside the worker's traceback, so on_device() names the file."""
+    """torchvision's, with three changes. An index (i, seed) draws image i's augmentation from its own seed (loader.
+    seeded; ResumableSampler gives one per image and epoch), whatever the worker, batch size or resume. An image PIL
+    cannot decode comes back blank with label -1 - i (on_device() names the file: a worker's exception arrives inside
+    its traceback). decode='gpu': the workers read the file's bytes only (for loader.decode_batch)."""
 
-    def __init__(self, root, split, transform, img_size):
+    def __init__(self, root, split, transform, img_size, decode='cpu'):
         try:
             super().__init__(os.path.join(root, split), transform=transform)
         except (FileNotFoundError, NotADirectoryError, RuntimeError) as e:  # none, a file, no class folders, empty
             raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
-        self.img_size = img_size
+        self.img_size, self.decode = img_size, decode
 
     def __getitem__(self, index):
         index, seed = index if isinstance(index, tuple) else (index, None)
+        if self.decode == 'gpu':  # (the file's bytes, label, the seed of its draws or -1, index): collate_bytes
+            return Path(self.samples[index][0]).read_bytes(), self.targets[index], -1 if seed is None else seed, index
         try:
-            with torch.random.fork_rng(devices=[], enabled=seed is not None):  # (the caller's RNG stays as it was)
-                if seed is not None:
-                    torch.manual_seed(seed)
+            with seeded(seed):
                 return super().__getitem__(index)
         except (OSError, ValueError):  # PIL: cannot identify image file, image file is truncated, ...
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), -1 - index
@@ -163,9 +164,11 @@ class ImageFolder(torchvision.datasets.ImageFolder):
 def on_device(loader, mean, std, fmt=torch.preserve_format):
     """The loader's uint8 batches normalised on the device of mean, std ((1, 3, 1, 1) tensors): a quarter of the
     bytes of float32 through shared memory and the copy, non_blocking from pinned memory. An image that could not
-    be decoded (label < 0) is named while the labels are still on the CPU (no host sync)."""
-    for x, y in loader:
-        if (y < 0).any():
+    be decoded (label < 0) is named while the labels are still on the CPU (no host sync). --decode gpu: decode_batch."""
+    for x, y, *rest in loader:
+        if rest:  # bytes, labels, byte counts, seeds, indices
+            x = decode_batch(x, *rest, loader.dataset, mean.device)
+        elif (y < 0).any():
             raise UserError(f'cannot decode the image {loader.dataset.samples[-1 - int(y.min())][0]} (corrupt or '
                             'truncated); replace or delete it')
         x = normalize(x.to(mean.device, non_blocking=True), mean, std)

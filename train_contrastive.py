@@ -26,7 +26,8 @@ updates f_k at the next step's start: the same sequence); checkpoints at epoch e
 6 heads (MoCo v3's 12: --model-kw heads=12) and vit.py's JAX initialisation.
 Evaluation: the feature is the head's input (class token after the last LayerNorm) of unaugmented
 images; knn: DINO's weighted k-NN (k 20, T 0.07); linear: a linear classifier on cached standardised
-training features (main_lincls.py's optimiser, without its augmentation). Both exact under DDP.
+training features (main_lincls.py's objective and init, solved full-batch by L-BFGS, without its augmentation).
+Both exact under DDP.
 """
 import argparse
 import contextlib
@@ -43,11 +44,13 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
 import augment
 import vit
 from data import MEAN, NUM_CLASSES, STD, load_cifar
+from loader import node_workers
 from models import build_model, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic
 from sam import SAM, first_pass, second_pass
@@ -74,7 +77,8 @@ def get_args(argv=None):
     g.add_argument('--train-subset', type=int, default=0, metavar='N', help='CIFAR: N class-balanced images; 0 = all')
     g.add_argument('--test-subset', type=int, default=0, metavar='N', help='CIFAR: N class-balanced images; 0 = all')
     g.add_argument('--img-size', type=int, metavar='PX', help='view size; default 32 (CIFAR), 224 (imagenet)')
-    g.add_argument('--workers', type=int, default=8, help='imagenet: loader processes per rank')
+    g.add_argument('--workers', type=int, help='imagenet: loader processes per rank; default: the CPU cores per '
+                   'local process, minus one')
     g.add_argument('--crop-min', type=float, default=0.08, help='RandomResizedCrop minimum area fraction')
     g = p.add_argument_group('model (MoCo v3 Sec. 3, vits.py)')
     g.add_argument('--model', default='vit_s16', help=f'a ViT of vit.py ({", ".join(vit.configs)}); at 32 px patch p/4')
@@ -101,8 +105,9 @@ def get_args(argv=None):
     g.add_argument('--eval-every', type=int, default=10, help='epochs between evaluations; 0 = at the end only')
     g.add_argument('--knn-k', type=int, default=20, help='neighbours (DINO: 20)')
     g.add_argument('--knn-t', type=float, default=0.07, help='vote temperature: weight exp(cos / T)')
-    g.add_argument('--linear-epochs', type=int, default=100, help='linear-probe epochs over the cached features')
-    g.add_argument('--linear-lr', type=float, default=0.1, help='linear-probe SGD peak LR (batch 256)')
+    g.add_argument('--linear-epochs', type=int, default=100, help='linear probe: full-batch L-BFGS iterations, '
+                   'each ~1 pass over the cached features')
+    g.add_argument('--linear-wd', type=float, default=0.0, help='linear probe: L2 penalty wd/2 |W|^2 (main_lincls: 0)')
     g.add_argument('--eval-batch-size', type=int, default=256, help='images per rank per feature batch')
     g = p.add_argument_group('system, run folder, checkpoints')
     g.add_argument('--amp', default='auto', choices=['auto', 'bf16', 'fp16', 'off'],
@@ -133,10 +138,11 @@ def get_args(argv=None):
         raise UserError('--eval-only evaluates --checkpoint PATH, not --resume')
     args.out = args.out or (str(Path(args.resume).parent) if args.resume else 'runs/contrastive')
     args.img_size = args.img_size or (224 if args.dataset == 'imagenet' else 32)
+    args.workers = node_workers() if args.workers is None else args.workers  # (data.node_workers)
     args.lr = args.lr or 1.5e-4 * args.batch_size / 256  # MoCo v3: base lr 1.5e-4 per 256 images
     check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'knn_k', 'linear_epochs', 'img_size', 'proj_hidden',
-                        'proj_dim', 'crop_min', 'tau', 'knn_t', 'linear_lr'],
-                 ['train_subset', 'test_subset', 'log_every', 'eval_every', 'stop_after_epoch', 'workers',
+                        'proj_dim', 'crop_min', 'tau', 'knn_t'],
+                 ['train_subset', 'test_subset', 'linear_wd', 'log_every', 'eval_every', 'stop_after_epoch', 'workers',
                   'warmup_epochs', 'wd', 'clip_grad', 'rho', 'lr', 'moco_m', 'seed'], dict(crop_min=1, moco_m=1))
     if args.warmup_epochs > args.epochs:
         raise UserError(f'--warmup-epochs {args.warmup_epochs} exceeds --epochs {args.epochs}')
@@ -147,8 +153,9 @@ def get_args(argv=None):
 
 # -----------------------------------------------------------------------------
 # Views, on the device and batched, from augment.py's ops (each equal to torchvision's on uint8 images; tested).
-# An image that did not draw an op gets its identity parameter or keeps its pixels by torch.where: no
-# boolean indexing, no host sync.
+# Every draw first, in torchvision's order; then one host sync reads which images drew jitter, grey, blur and
+# where in the jitter order hue runs, and each of those ops runs on those images only (they are per image: the
+# same pixels as running it on all and keeping it where drawn, tests/test_fast_input.py; README, Performance).
 def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
     """View `view` (0 or 1: its blur and solarize probabilities) of the images x_u8 (b, 3, H, W) uint8 ->
     (b, 3, size, size) normalised. Every draw is made for the global batch of B; this rank keeps rows
@@ -156,8 +163,7 @@ def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
     def rand(*shape, dtype=torch.float32):
         return torch.rand(B, *shape, generator=gen, device=gen.device, dtype=dtype)[lo:hi]
 
-    x = x_u8.float()
-    b, _, H, W = x.shape
+    b, _, H, W = x_u8.shape
     # RandomResizedCrop(size, (crop_min, 1), (3/4, 4/3)): the first of torchvision's 10 tries that fits, else whole
     area = H * W * (crop_min + (1 - crop_min) * rand(10, dtype=torch.float64))
     lo_r, hi_r = (math.log(r) for r in AUG['ratio'])
@@ -169,20 +175,30 @@ def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
     h = torch.where(any_fit, h.gather(1, first)[:, 0], float(H))
     top = (rand(dtype=torch.float64) * (H - h + 1)).floor()
     left = (rand(dtype=torch.float64) * (W - w + 1)).floor()
-    x = augment.resized_crop_rect_flip(x, top, left, h, w, size, rand() < AUG['p_flip'])
+    flip = rand() < AUG['p_flip']
     # RandomApply(ColorJitter(0.4, 0.4, 0.2, 0.1), p=0.8): factors U(1-j, 1+j), hue offset U(-j, j)
     u = 2 * rand(4, dtype=torch.float64) - 1
     factors = torch.stack([(1.0 if i < 3 else 0.0) + j * u[:, i] for i, j in enumerate(AUG['jitter'])], 1)
     order = rand(4).argsort(1)
-    x = torch.where((rand() < AUG['p_jitter']).view(b, 1, 1, 1), augment.color_jitter(x, factors, order), x)
-    x = torch.where((rand() < AUG['p_gray']).view(b, 1, 1, 1), augment.grayscale(x).expand_as(x), x)
+    jitter, gray = rand() < AUG['p_jitter'], rand() < AUG['p_gray']
     # GaussianBlur, p 1.0 / 0.1, sigma U(0.1, 2.0) px at 224 px, scaled with the view (docstring)
     s0, s1 = (s * size / 224 for s in AUG['blur_sigma'])
-    blurred = augment.gaussian_blur(x, s0 + (s1 - s0) * rand(), 2 * round(size / 20) + 1)
-    x = torch.where((rand() < AUG['p_blur'][view]).view(b, 1, 1, 1), blurred, x)
+    sigma = s0 + (s1 - s0) * rand()
+    blur = rand() < AUG['p_blur'][view]
     # Solarize at PIL's threshold 128, p 0 / 0.2; threshold 256: the identity
-    x = augment.solarize(x, torch.where(rand() < AUG['p_solarize'][view], 128.0, 256.0))
-    return augment.normalize(x, mean, std)
+    threshold = torch.where(rand() < AUG['p_solarize'][view], 128.0, 256.0)
+    # the one host sync: which images take which op (9 x b booleans)
+    drawn = torch.cat([torch.stack([jitter, gray, blur]), (order == 3).T & jitter]).cpu()
+    rows = [m.nonzero()[:, 0].to(x_u8.device, non_blocking=True) for m in drawn]  # (a few hundred bytes to the device)
+    x = augment.resized_crop_rect_flip(x_u8.float(), top, left, h, w, size, flip)
+    if len(j := rows[0]):
+        x = x.index_copy(0, j, augment.color_jitter(x[j], factors[j], order[j],
+                                                    [torch.searchsorted(j, r) for r in rows[3:]]))
+    if len(g := rows[1]):
+        x = x.index_copy(0, g, augment.grayscale(x[g]).expand(-1, 3, -1, -1))
+    if len(k := rows[2]):
+        x = x.index_copy(0, k, augment.gaussian_blur(x[k], sigma[k], 2 * round(size / 20) + 1))
+    return augment.normalize(augment.solarize(x, threshold), mean, std)
 
 
 # -----------------------------------------------------------------------------
@@ -256,8 +272,9 @@ class MoCo(nn.Module):
 
     @torch.no_grad()
     def update_momentum_encoder(self, m):  # theta_k <- m theta_k + (1 - m) theta_q (MoCo eq. 2)
-        for pq, pk in zip(self.base_encoder.parameters(), self.momentum_encoder.parameters()):
-            pk.copy_(pk * m + pq * (1 - m))
+        # = theta_k + (1 - m) (theta_q - theta_k): torch.optim.swa_utils' EMA, one torch._foreach_lerp_ over all
+        # parameters (was 3 kernels per parameter, ~650 launches a ViT-S step; tests/test_fast_input.py)
+        get_ema_multi_avg_fn(m)(list(self.momentum_encoder.parameters()), list(self.base_encoder.parameters()), None)
 
 
 def lr_at(t, args):  # main_moco.py adjust_learning_rate at t epochs (fractional)
@@ -273,7 +290,7 @@ def momentum_at(t, args):  # main_moco.py adjust_moco_momentum: moco_m at t = 0,
 # -----------------------------------------------------------------------------
 # Data. CIFAR: data.load_cifar, decoded once onto the device as uint8. imagenet: torchvision's
 # ImageFolder + DataLoader, decoded to uint8 squares (train_imagenet.py's resize and crop).
-def load_data(args, device):
+def load_data(args, device, rank=0, world=1):
     if args.dataset != 'imagenet':
         train_x, train_y = load_cifar(args.data, args.dataset, True, args.train_subset)
         test_x, test_y = load_cifar(args.data, args.dataset, False, args.test_subset)
@@ -292,8 +309,16 @@ def load_data(args, device):
     sets['train'].transform = v2.Compose([v2.Resize(side), v2.CenterCrop(side), v2.PILToTensor()])
     train_eval.transform = test.transform = v2.Compose([v2.Resize(side), v2.CenterCrop(args.img_size),
                                                         v2.PILToTensor()])
-    return dict(train=sets['train'], train_eval=train_eval, train_y=torch.tensor(sets['train'].targets, device=device),
-                test=test, test_y=torch.tensor(test.targets, device=device), classes=len(test.classes),
+    # Loaders built once, workers persistent: the train loader's batch_sampler is a list epoch_order refills each
+    # epoch; the (pinned) feature loaders read this rank's rows of train and val, as features() slices a tensor.
+    kw = dict(num_workers=args.workers, pin_memory=device.type == 'cuda', persistent_workers=args.workers > 0)
+    rows = lambda n: range(n * rank // world, n * (rank + 1) // world)
+    return dict(train=torch.utils.data.DataLoader(sets['train'], batch_sampler=[], **kw),
+                train_eval=torch.utils.data.DataLoader(train_eval, args.eval_batch_size, sampler=rows(len(train_eval)),
+                                                       **kw),
+                train_y=torch.tensor(sets['train'].targets, device=device),
+                test=torch.utils.data.DataLoader(test, args.eval_batch_size, sampler=rows(len(test)), **kw),
+                test_y=torch.tensor(test.targets, device=device), classes=len(test.classes),
                 norm=(IMAGENET_MEAN, IMAGENET_STD))
 
 
@@ -305,9 +330,8 @@ def features(backbone, images, lo, hi, args, autocast, mean, std):
     backbone.eval()
     if isinstance(images, torch.Tensor):
         batches = (images[s:min(s + args.eval_batch_size, hi)] for s in range(lo, hi, args.eval_batch_size))
-    else:
-        batches = (x for x, _ in torch.utils.data.DataLoader(images, args.eval_batch_size, sampler=range(lo, hi),
-                                                             num_workers=args.workers))
+    else:  # load_data's loader of rows lo..hi-1
+        batches = (x for x, _ in images)
     out = [torch.zeros(0, backbone.pos_embed.shape[-1], device=mean.device)]
     for x in batches:
         with autocast:
@@ -340,27 +364,26 @@ def knn_scores(train_f, train_y, test_f, classes, k, T):
 
 def linear_probe(train_f, train_y, classes, args):
     """A linear classifier on frozen features standardised with the training mean/std (the MAE probe's
-    affine-free BN); main_lincls.py's init N(0, 0.01), SGD momentum 0.9, no weight decay, cosine LR, batch
-    256, over cached unaugmented features. Deterministic given the seed. Returns (classifier, mu, sd)."""
+    affine-free BN), main_lincls.py's init N(0, 0.01), trained on all the cached unaugmented features at once by
+    L-BFGS (strong Wolfe line search) for --linear-epochs iterations: the objective main_lincls.py's SGD (batch
+    256, 100 epochs: ~500k tiny steps on ImageNet) descends, in ~100 full-batch steps (deviation: no SGD noise or
+    schedule; README, Performance, compares the two). Deterministic given the seed. -> (classifier, mu, sd)"""
     mu, sd = train_f.mean(0), train_f.std(0) + 1e-6
+    z = (train_f - mu) / sd  # (n, D): on ImageNet-1k with ViT-B, 3.9 GB in float32, and logits of 5.1 GB
     g = torch.Generator(train_f.device).manual_seed(args.seed)
     clf = nn.Linear(train_f.shape[1], classes).to(train_f.device)
     nn.init.normal_(clf.weight, std=0.01, generator=g)
     nn.init.zeros_(clf.bias)
-    opt = torch.optim.SGD(clf.parameters(), lr=args.linear_lr, momentum=0.9)
-    n = len(train_f)
-    steps, step = args.linear_epochs * math.ceil(n / 256), 0
+    opt = torch.optim.LBFGS(clf.parameters(), max_iter=args.linear_epochs, history_size=20,
+                            tolerance_grad=1e-9, tolerance_change=1e-12, line_search_fn='strong_wolfe')
+
+    def closure():  # the whole objective (L-BFGS reads it on the host: one sync per evaluation)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(clf(z), train_y) + args.linear_wd / 2 * clf.weight.pow(2).sum()
+        loss.backward()
+        return loss
     with torch.enable_grad():
-        for _ in range(args.linear_epochs):
-            perm = torch.randperm(n, generator=g, device=train_f.device)
-            for s in range(0, n, 256):
-                opt.param_groups[0]['lr'] = args.linear_lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-                idx = perm[s:s + 256]
-                loss = F.cross_entropy(clf((train_f[idx] - mu) / sd), train_y[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                step += 1
+        opt.step(closure)
     return clf, mu, sd
 
 
@@ -379,8 +402,9 @@ def evaluate(backbone, data, args, autocast, rank, world, epoch, step, t_start):
             scores = knn_scores(train_f, data['train_y'], test_f, data['classes'], args.knn_k, args.knn_t)
             loss = -scores.gather(1, test_y[:, None]).clamp_min(1e-6).log()
         else:
-            clf, mu, sd = linear_probe(train_f, data['train_y'], data['classes'], args)
-            for t in clf.parameters() if world > 1 else ():  # every rank trained the same probe: make it exact
+            clf, mu, sd = linear_probe(train_f, data['train_y'], data['classes'], args) if rank == 0 else \
+                (nn.Linear(train_f.shape[1], data['classes']).to(mean.device), train_f.mean(0), train_f.std(0) + 1e-6)
+            for t in clf.parameters() if world > 1 else ():  # rank 0 trained the probe: the others receive it
                 dist.broadcast(t.data, 0)
             scores = clf((test_f - mu) / sd)  # logits
             loss = F.cross_entropy(scores, test_y, reduction='none')
@@ -431,10 +455,10 @@ def epoch_order(args, data, gen, steps, B, b, rank):
     """This epoch's order of the training images, one permutation for every rank (rank r takes its slice of each
     global batch of B), on the device; ImageNet: also the loader that reads this rank's images in that order."""
     perm = torch.randperm(len(data['train_y']), generator=torch.Generator().manual_seed(gen.initial_seed()))
-    batches = [perm[i * B + rank * b:i * B + (rank + 1) * b].tolist() for i in range(steps)]
-    loader = None if args.dataset != 'imagenet' else iter(torch.utils.data.DataLoader(
-        data['train'], batch_sampler=batches, num_workers=args.workers, pin_memory=gen.device.type == 'cuda'))
-    return perm.to(gen.device), loader
+    if args.dataset != 'imagenet':
+        return perm.to(gen.device), None
+    data['train'].batch_sampler[:] = [perm[i * B + rank * b:i * B + (rank + 1) * b].tolist() for i in range(steps)]
+    return perm.to(gen.device), iter(data['train'])  # (the persistent workers take this epoch's batches)
 
 
 def done_line(args, history, t_start, last):
@@ -457,7 +481,7 @@ def main(argv=None):
     out_dir = prepare_out(args) if proc.master and not args.eval_only else Path(args.out)
     init_group(proc)
     with rank_zero_first(proc) if args.dataset != 'imagenet' else contextlib.nullcontext():  # a CIFAR download
-        data = load_data(args, device)  # (ImageNet: each rank scans the folders itself, no barrier)
+        data = load_data(args, device, rank, world)  # (ImageNet: each rank scans the folders itself, no barrier)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in data['norm'])
     if args.eval_only:
         rows = evaluate(backbone, data, args, autocast, rank, world, 0, 0, t_start)

@@ -29,6 +29,7 @@ from torchvision.transforms import v2
 
 from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform, on_device
+from loader import collate_bytes, node_workers, train_transform
 from models import build_model, channels_last, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
@@ -56,8 +57,8 @@ BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_
                    randaug_n=0, mixup=0.0, cutmix=0.0, reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear')
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
 DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=0, sam=False,
-                rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=8,
-                synthetic=False)  # the same in every recipe
+                rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=None,
+                synthetic=False, decode='cpu')  # the same in every recipe
 RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
@@ -85,7 +86,10 @@ def get_args(argv=None):
     a('--data', 'ImageNet root: train/<wnid>/*.JPEG and val/<wnid>/*.JPEG', metavar='DIR')
     a('--synthetic', 'random images instead of --data: throughput only', action='store_true', default=None)
     a('--img-size', 'training and evaluation resolution (px)', type=int)
-    a('--workers', 'data-loader processes per GPU', type=int)
+    a('--workers', 'data-loader processes per GPU; None: the CPU cores per local process, minus one', type=int)
+    a('--decode', 'cpu: PIL decodes and augments in the loader workers; gpu: the workers read bytes, '
+      'torchvision.io.decode_jpeg decodes on the device, crop/resize/flip there (for few cores per GPU)',
+      choices=['cpu', 'gpu'])
     a('--norm', 'imagenet mean/std (ResNets, ConvMixer) or jax: (x - 0.5) / 0.5 (ViT/Mixer .npz)', choices=list(MEANS))
     a('--crop-min', 'Inception crop: the smallest crop, as a fraction of the image area', type=float)
     a('--crop-pct', 'evaluation: resize to img_size / crop_pct, centre-crop img_size', type=float)
@@ -154,6 +158,7 @@ def get_args(argv=None):
     recipe = args.recipe or run.get('recipe') or 'sam'
     for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():  # later ones win
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+    args.workers = node_workers() if args.workers is None else args.workers  # (of this node: data.node_workers)
     check_ranges(args, POSITIVE, NON_NEGATIVE, AT_MOST)  # the value as given: --lr, say, before the batch scaling
     if loose and not args.sam:
         raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
@@ -165,17 +170,8 @@ def get_args(argv=None):
 
 
 # -----------------------------------------------------------------------------
-# Data: decoding, crop, flip and RandAugment per image in the loader workers; mixup/cutmix on the batch on the GPU.
-def train_transform(args, mean):
-    """In the loader workers, per image: crop, flip, RandAugment, to uint8 (normalised on the device: on_device)."""
-    t = [v2.RandomResizedCrop(args.img_size, scale=(args.crop_min, 1.0), antialias=True), v2.RandomHorizontalFlip()]
-    if args.randaug_n > 0:  # torchvision's 31 bins; filled with the mean pixel, as timm. Deviations from timm's
-        # rand-m9-mstd0.5: m9 of 10 is bin 27 of 30, with no N(m, 0.5) jitter of m; torchvision's op set.
-        t.append(v2.RandAugment(args.randaug_n, args.randaug_m, 31, v2.InterpolationMode.BILINEAR,
-                                fill=[round(255 * m) for m in mean]))
-    return v2.Compose(t + [v2.PILToTensor()])
-
-
+# Data: decoding, crop, flip and RandAugment per image in the loader workers (data.train_transform; --decode gpu:
+# on the device); mixup/cutmix on the batch on the GPU.
 def seed_epoch(seed, epoch, rank, start):
     """This process's RNG (mixup, erasing, dropout) from (seed, epoch, rank, first step): a resume at an epoch
     boundary draws what the uninterrupted run drew. (Crops, flips, RandAugment: per image, ResumableSampler.)"""
@@ -265,15 +261,17 @@ def make_data(args, proc, micro=0):
         train_set = range(1_281_167)
         val_set = datasets.FakeData(50_000, (3, args.img_size, args.img_size), 1000, val_tf)
     else:
-        val_set = ImageFolder(args.data, 'val', val_tf, args.img_size)
+        val_set = ImageFolder(args.data, 'val', val_tf, args.img_size, args.decode)
         train_tf = train_transform(args, MEANS[args.norm][0])
-        train_set = None if args.eval_only else ImageFolder(args.data, 'train', train_tf, args.img_size)
+        train_set = None if args.eval_only else ImageFolder(args.data, 'train', train_tf, args.img_size,
+                                                            args.decode)
         if train_set is not None and train_set.classes != val_set.classes:
             raise UserError(f'--data {args.data}: the class folders of train ({len(train_set.classes)}) and val '
                             f'({len(val_set.classes)}) differ in number or names; {LAYOUT}')
     num_classes = 1000 if args.synthetic else len(val_set.classes)
     loader_kw = dict(num_workers=args.workers, pin_memory=proc.device.type == 'cuda',
-                     persistent_workers=args.workers > 0)
+                     persistent_workers=args.workers > 0,
+                     collate_fn=collate_bytes if args.decode == 'gpu' and not args.synthetic else None)
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.eval_batch_size,
                                              sampler=range(proc.rank, len(val_set), proc.world), **loader_kw)
     if args.eval_only:
@@ -374,7 +372,9 @@ def main(argv=None):
             f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
         leave(distributed)
         return res
-    train_model = wrap_ddp(model, proc)
+    # no broadcast of rank 0's BatchNorm statistics before each forward: a training forward does not read them, rank
+    # 0's evolve alike either way, and the epoch-end broadcast below gives the evaluation rank 0's (as saved)
+    train_model = wrap_ddp(model, proc, broadcast_buffers=False)
     train_model = torch.compile(train_model) if args.compile else train_model  # DDP overlaps buckets with backward
     optimizer = make_optimizer(args, model)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')

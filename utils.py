@@ -125,9 +125,9 @@ def rank_zero_first(proc):
             yield
 
 
-def wrap_ddp(model, proc):  # DistributedDataParallel under torchrun (on its GPU, or the CPU), else the model
+def wrap_ddp(model, proc, **kw):  # DistributedDataParallel under torchrun (on its GPU, or the CPU), else the model
     ids = [proc.device] if proc.device.type == 'cuda' else None
-    return torch.nn.parallel.DistributedDataParallel(model, ids) if proc.ddp else model
+    return torch.nn.parallel.DistributedDataParallel(model, ids, **kw) if proc.ddp else model
 
 
 def leave(distributed):

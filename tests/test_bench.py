@@ -262,6 +262,23 @@ def test_cifar_rows_time_train_cifars_default_run():
     assert {k: defaults[k] for k in bench.CIFAR_RUN} == bench.CIFAR_RUN
 
 
+def test_loader_rows_time_train_imagenets_recipes(monkeypatch):
+    """bench.py does not import train_imagenet.py: its LOADER_RECIPES must stay that script's recipes; and the rows
+    come out, one per recipe and --decode path, timed on images of ImageNet's size (the timer patched to a count
+    of the images each timed call returns; speed is never asserted)."""
+    import train_imagenet
+    for name, recipe in bench.LOADER_RECIPES.items():
+        assert {k: train_imagenet.RECIPES[name].get(k, train_imagenet.DEFAULTS.get(k)) for k in recipe} == recipe
+    timed = []
+    monkeypatch.setattr(bench, 'median_s', lambda fn, *a, **kw: timed.append(fn()) or 0.5)
+    rows = bench.bench_loader(bench.get_args(['--rows', 'loader', '--quick', '--device', 'cpu']))
+    assert [r['row'] for r in rows] == [f'loader {n}, --decode {d}, per worker core' for n in bench.LOADER_RECIPES
+                                        for d in ('cpu', 'gpu')]
+    ours_cpu = timed[1]  # [ref, ours cpu, ours gpu (bytes), the device part] for the first recipe
+    assert len(ours_cpu) == 16 and ours_cpu[0][0].shape == (3, 224, 224) and ours_cpu[0][0].dtype == torch.uint8
+    assert timed[0][0][0].dtype == torch.float32 and timed[3].shape == (16, 3, 224, 224)
+
+
 def cli(argv, monkeypatch):
     """bench.py run as `python bench.py ARGV` (its __main__ block, in this process): the SystemExit's code,
     which Python prints as the one line on stderr (exit status 1) when it is a string."""
