@@ -1,5 +1,5 @@
 """GSAM (sam.GSAM) against an fp64 transcription of big_vision's gsam_gradient (the official JAX code,
-big_vision/trainers/proj/gsam/gsam.py, written out here from that file with torch.func in place of jax), against
+big_vision/trainers/proj/gsam/gsam.py, written out here from that file with torch.autograd for jax), against
 plain SAM (alpha = 0, rho_min = rho: bit for bit), the base optimizer (rho = 0: bit for bit), a single process with k
 groups (k gloo ranks), GradScaler overflows, a resume, and through train_cifar.py's flags."""
 import contextlib
@@ -35,22 +35,27 @@ def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _gsam_step(model, opt, groups, micro=1, scaler=None, clip=None, all_reduce=False, plant=None):
+def _gsam_step(model, opt, groups, micro=1, scaler=None, clip=None, all_reduce=False, plant=None, autocast=None):
     """One GSAM step as the sam.GSAM docstring's loop: k = len(groups) groups of `micro` micro-batches; every
-    backward under DDP's no_sync; plant=(pass, j): an inf in group j's first or second gradient."""
-    k = len(groups)
+    backward under DDP's no_sync; plant=(pass, j): an inf in group j's first or second gradient; autocast: a
+    context for the forward passes (not the backward, as torch.autocast asks)."""
+    k, ctx = len(groups), autocast or contextlib.nullcontext
     scaler = scaler or torch.amp.GradScaler('cpu', enabled=False)
     for j, (x, y) in enumerate(groups):
         parts = list(zip(x.chunk(micro), y.chunk(micro)))
         with first_pass(model):
             for xb, yb in parts:
-                scaler.scale(F.cross_entropy(model(xb), yb) / micro).backward()
+                with ctx():
+                    loss = F.cross_entropy(model(xb), yb) / micro
+                scaler.scale(loss).backward()
         if plant == ('first', j):
             next(model.parameters()).grad.view(-1)[0] = float('inf')
         opt.first_step(zero_grad=True)
         with second_pass(model, sync=False):
             for xb, yb in parts:
-                scaler.scale(F.cross_entropy(model(xb), yb) / (k * micro)).backward()
+                with ctx():
+                    loss = F.cross_entropy(model(xb), yb) / (k * micro)
+                scaler.scale(loss).backward()
         if plant == ('second', j):
             list(model.parameters())[-1].grad[0] = float('nan')
         if j < k - 1:
@@ -73,7 +78,10 @@ def _dual_vector(y):
 
 def _gsam_gradient(loss_fn, params, inputs, targets, rho_max, rho_min, alpha, lr, lr_max, lr_min, eps=1e-12,
                    adaptive_perturbation=False, minimize_fp=True):
-    value_and_grad = torch.func.grad_and_value(loss_fn)
+    def value_and_grad(ps, x, y):  # jax.value_and_grad, by torch.autograd.grad on fresh leaves
+        ps = {k: v.detach().requires_grad_() for k, v in ps.items()}
+        loss = loss_fn(ps, x, y)
+        return dict(zip(ps, torch.autograd.grad(loss, list(ps.values())))), loss.detach()
     g_clean, l_clean = value_and_grad(params, inputs, targets)
     g_clean_normalized, g_clean_length = _dual_vector(g_clean)
     if lr_max == lr_min:
@@ -109,8 +117,9 @@ def _oracle_run(k, adaptive_perturbation, minimize_fp, clip=None):
     model = _mlp(0).to(F64)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    def loss_fn(ps, x, y):
-        return F.cross_entropy(torch.func.functional_call(model, ps, (x,)), y)
+    def loss_fn(ps, x, y):  # _mlp's forward, written out
+        h = F.layer_norm(F.linear(x, ps['0.weight'], ps['0.bias']), (16,), ps['1.weight'], ps['1.bias'])
+        return F.cross_entropy(F.linear(F.gelu(h), ps['3.weight'], ps['3.bias']), y)
     for step, lr in enumerate(LRS):
         x, y = _data(step, 4 * k, F64)
         ds = [_gsam_gradient(loss_fn, params, xg, yg, lr=lr, adaptive_perturbation=adaptive_perturbation,
@@ -163,3 +172,232 @@ def test_the_oracle_tells_the_variants_apart():
             CFG.clear()
             CFG.update(cfg)
         assert max((a - b).abs().max().item() for a, b in zip(base, other)) > 1e-4, change
+
+
+# -----------------------------------------------------------------------------
+# Special cases: alpha = 0 and rho_min = rho is SAM; rho = 0 is the base optimizer (bit for bit)
+def _sam_loop_step(model, opt, groups, scaler=None):
+    """One SAM step as the sam.py docstring's group loop (the DDP-free form)."""
+    k = len(groups)
+    scaler = scaler or torch.amp.GradScaler('cpu', enabled=False)
+    for j, (x, y) in enumerate(groups):
+        with first_pass(model):
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+        opt.first_step(zero_grad=True)
+        with second_pass(model, sync=j == k - 1):
+            scaler.scale(F.cross_entropy(model(x), y) / k).backward()
+        if j < k - 1:
+            opt.next_group()
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+BASES = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-2)), (torch.optim.AdamW, dict(lr=1e-2))]
+
+
+@pytest.mark.parametrize('k', [1, 3])
+@pytest.mark.parametrize('base,kw', BASES, ids=['sgd', 'adamw'])
+def test_alpha_zero_and_constant_rho_is_sam_bit_for_bit(base, kw, k):
+    """fp32, BatchNorm, a GradScaler, the lr changing every step (rho_t = rho since rho_min = rho), k groups."""
+    runs = []
+    for make in (lambda ps: SAM(ps, base, rho=0.2, adaptive=True, **kw),
+                 lambda ps: GSAM(ps, base, rho=0.2, rho_min=0.2, alpha=0.0, lr_max=kw['lr'], lr_min=0.0,
+                                 adaptive=True, **kw)):
+        model = _mlp(0, bn=True)
+        opt, scaler = make(model.parameters()), torch.amp.GradScaler('cpu', init_scale=2.0 ** 6)
+        for step in range(4):
+            for group in opt.param_groups:
+                group['lr'] = kw['lr'] * (1 - step / 4)
+            x, y = _data(step, 4 * k)
+            groups = list(zip(x.split(4), y.split(4)))
+            (_gsam_step if isinstance(opt, GSAM) else _sam_loop_step)(model, opt, groups, scaler=scaler)
+        runs.append([*_params(model), *model[1].buffers()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize('minimize_fp', [True, False], ids=['min-fp', 'min-f'])
+@pytest.mark.parametrize('base,kw', BASES, ids=['sgd', 'adamw'])
+def test_rho_zero_trains_as_the_base_optimizer(base, kw, minimize_fp):
+    """rho = 0: g_p = g, so g_perp = 0 exactly and GSAM (any alpha) and SAM give the base optimizer's weights and
+    BatchNorm statistics bit for bit (davda54/sam#80 asks this of SAM; both are checked here)."""
+    runs = []
+    for kind in ('base', 'sam', 'gsam'):
+        model = _mlp(0, bn=True)
+        opt = base(model.parameters(), **kw) if kind == 'base' else SAM(model.parameters(), base, rho=0.0, **kw) \
+            if kind == 'sam' else GSAM(model.parameters(), base, rho=0.0, alpha=0.5, minimize_fp=minimize_fp, **kw)
+        for step in range(4):
+            x, y = _data(step, 8)
+            if kind == 'base':
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                (_sam_loop_step if kind == 'sam' else _gsam_step)(model, opt, [(x, y)])
+        runs.append([*_params(model), *model[1].buffers()])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+
+
+# -----------------------------------------------------------------------------
+# DDP: 2 gloo ranks, each its own g_p decomposed, then the mean: = one process with the ranks' images as groups
+G_STEPS, G_M = 3, 4
+G_CONFIGS = [('mlp', 1), ('bn', 1), ('mlp', 2)]  # (model, groups per rank)
+G_KW = dict(rho=0.3, rho_min=0.1, alpha=0.4, lr_max=0.2, lr_min=0.0, lr=0.2, momentum=0.9)
+
+
+def _g_lr(step):
+    return G_KW['lr'] * (1 - step / G_STEPS)
+
+
+def _ddp_worker(rank, world, port, out):
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world)
+    try:
+        calls, real = [], dist.all_reduce
+
+        def counted(*a, **kw):
+            calls.append(1)
+            return real(*a, **kw)
+        dist.all_reduce = counted  # sam.py calls torch.distributed.all_reduce: count its collectives
+        res = []
+        for name, g in G_CONFIGS:
+            calls.clear()
+            model = _mlp(0, bn=name == 'bn').to(F64)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            hooked = []
+            ddp.register_comm_hook(None, lambda state, bucket: hooked.append(1) or
+                                   torch.futures.Future().set_result(bucket.buffer()))
+            opt = GSAM(ddp.parameters(), torch.optim.SGD, **G_KW)
+            per = g * G_M
+            for step in range(G_STEPS):
+                for group in opt.param_groups:
+                    group['lr'] = _g_lr(step)
+                x, y = _data(50 + step, world * per, F64)
+                xr, yr = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+                _gsam_step(ddp, opt, list(zip(xr.split(G_M), yr.split(G_M))), all_reduce=True)
+            res.append({'final': _params(model), 'allreduces': len(calls), 'ddp_buckets': len(hooked)})
+        dist.all_reduce = real
+        torch.save(res, os.path.join(out, f'rank{rank}.pt'))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_ranks_equal_one_process_with_groups(tmp_path):
+    """2 ranks x g groups == 1 process x 2g groups (fp64, with and without BatchNorm): each rank decomposes its own
+    g_p, the mean (not the sum) over ranks follows, in ONE all-reduce per step and none by DDP's buckets."""
+    world = 2
+    mp.spawn(_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    res = [torch.load(tmp_path / f'rank{r}.pt') for r in range(world)]
+    for i, (name, g) in enumerate(G_CONFIGS):
+        model = _mlp(0, bn=name == 'bn').to(F64)
+        opt = GSAM(model.parameters(), torch.optim.SGD, **G_KW)
+        for step in range(G_STEPS):
+            for group in opt.param_groups:
+                group['lr'] = _g_lr(step)
+            x, y = _data(50 + step, world * g * G_M, F64)
+            _gsam_step(model, opt, list(zip(x.split(G_M), y.split(G_M))))
+        for a, b, c in zip(res[0][i]['final'], res[1][i]['final'], _params(model)):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, c, rtol=0, atol=1e-12)
+        assert res[0][i]['allreduces'] == G_STEPS and res[0][i]['ddp_buckets'] == 0, (name, g)
+
+
+# -----------------------------------------------------------------------------
+# GradScaler: an overflow in either pass (of any group) skips the step with w exact; resume; no host sync
+@pytest.mark.parametrize('alpha', [0.0, 0.5])
+@pytest.mark.parametrize('plant', [('first', 0), ('second', 0), ('first', 1), ('second', 1)],
+                         ids=['first-g0', 'second-g0', 'first-g1', 'second-g1'])
+def test_overflow_in_either_pass_skips_with_w_exact(plant, alpha):
+    model = _mlp(0)
+    opt = GSAM(model.parameters(), torch.optim.AdamW, rho=0.2, alpha=alpha, lr=1e-2)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+    x, y = _data(0, 8)
+    w0 = _params(model)
+    _gsam_step(model, opt, list(zip(x.split(4), y.split(4))), scaler=scaler, plant=plant)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))
+    assert len(opt.base_optimizer.state) == 0 and scaler.get_scale() == 2.0 ** 7
+    _gsam_step(model, opt, list(zip(x.split(4), y.split(4))), scaler=scaler)  # and it trains on
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))
+
+
+def test_real_fp16_overflow_skips():
+    """fp16 autocast with a loss scale of 2^40: both passes overflow; w stays, the scale halves."""
+    model = _mlp(0)
+    opt = GSAM(model.parameters(), torch.optim.AdamW, rho=0.2, alpha=0.3, lr=1e-2)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 40)
+    x, y = _data(0, 8)
+    w0 = _params(model)
+    _gsam_step(model, opt, [(x, y)], scaler=scaler, autocast=lambda: torch.autocast('cpu', dtype=torch.float16))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), w0)) and scaler.get_scale() == 2.0 ** 39
+
+
+def test_bf16_autocast_close_to_fp32():
+    """bf16 autocast (no scaler): the update after 3 steps is within 2% of fp32's, and 2% tells GSAM from SAM."""
+    runs = []
+    for ctx, alpha in ((None, 0.4), (lambda: torch.autocast('cpu', dtype=torch.bfloat16), 0.4), (None, 0.0)):
+        model = _mlp(0)
+        opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.5, rho_min=0.1, alpha=alpha, lr_max=0.1, lr_min=0,
+                   lr=0.1, momentum=0.9)
+        for step in range(3):
+            _gsam_step(model, opt, [_data(step, 32)], autocast=ctx)
+        runs.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    w0 = torch.cat([p.detach().flatten() for p in _mlp(0).parameters()])
+    err = [((run - runs[0]).norm() / (runs[0] - w0).norm()).item() for run in runs[1:]]
+    assert err[0] < 0.02 < err[1], err
+
+
+def test_state_dict_resume_mid_run_is_bit_identical():
+    kw = dict(rho=0.3, rho_min=0.1, alpha=0.4, lr_max=1e-2, lr_min=0.0, lr=1e-2, weight_decay=0.05)
+
+    def train(model, opt, steps):
+        for step in steps:
+            for group in opt.param_groups:
+                group['lr'] = kw['lr'] * (1 - step / 6)
+            _gsam_step(model, opt, list(zip(*(t.split(4) for t in _data(step, 8)))))
+
+    model = _mlp(0, bn=True)
+    opt = GSAM(model.parameters(), torch.optim.AdamW, **kw)
+    train(model, opt, range(3))
+    buf = io.BytesIO()
+    torch.save({'model': model.state_dict(), 'opt': opt.state_dict()}, buf)
+    train(model, opt, range(3, 6))
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    assert ckpt['opt']['param_groups'][0]['alpha'] == 0.4 and ckpt['opt']['param_groups'][0]['rho_min'] == 0.1
+    model2 = _mlp(1, bn=True)
+    opt2 = GSAM(model2.parameters(), torch.optim.AdamW, **kw)
+    model2.load_state_dict(ckpt['model'])
+    opt2.load_state_dict(ckpt['opt'])
+    assert opt2.param_groups is opt2.base_optimizer.param_groups
+    train(model2, opt2, range(3, 6))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def test_closure_form_equals_the_loop():
+    runs = []
+    for closure in (False, True):
+        model = _mlp(0)
+        opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.3, alpha=0.4, lr=0.1, momentum=0.9)
+        for step in range(3):
+            x, y = _data(step, 8)
+            if closure:
+                def f():
+                    opt.zero_grad()
+                    loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                    return loss
+                opt.step(f)
+                opt.zero_grad(set_to_none=True)
+            else:
+                _gsam_step(model, opt, [(x, y)])
+        runs.append(_params(model))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
