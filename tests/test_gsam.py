@@ -5,8 +5,10 @@ groups (k gloo ranks), GradScaler overflows, a resume, and through train_cifar.p
 import contextlib
 import copy
 import io
+import json
 import math
 import os
+import re
 import socket
 
 import pytest
@@ -401,3 +403,104 @@ def test_closure_form_equals_the_loop():
                 _gsam_step(model, opt, [(x, y)])
         runs.append(_params(model))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+# -----------------------------------------------------------------------------
+# The scripts: train_cifar.py and train_imagenet.py --gsam-alpha / --rho-min, the surrogate gap in metrics.jsonl
+TINY = ['--model-kw', 'dim=16', 'depth=1', 'patch_size=4', 'kernel_size=3']  # ConvMixer with BatchNorm
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cifar(cifar10_dir, out, *extra):
+    import train_cifar
+    common = ['--data', cifar10_dir, '--train-subset', 100, '--test-subset', 10, '--batch-size', 50, '--epochs', 2,
+              '--log-every', 0, *TINY]
+    train_cifar.main([str(a) for a in [*common, *extra, '--out', out]])
+    rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    return torch.load(out / 'last.pt', weights_only=True)['model'], [r for r in rows if r['kind'] == 'train']
+
+
+def test_cifar_flags_sam_and_base_identities_and_the_gap(cifar10_dir, tmp_path, one_thread):
+    """train_cifar.py: --gsam-alpha 0 --rho-min = --rho is --sam bit for bit; --rho 0 (SAM, GSAM) is the base
+    optimizer bit for bit; GSAM proper trains elsewhere; SAM/GSAM rows hold the surrogate gap, > 0 at rho > 0."""
+    w, rows = {}, {}
+    for name, extra in (('sam', ['--sam', '--rho', 0.5]), ('gsam0', ['--sam', '--rho', 0.5, '--gsam-alpha', 0,
+                                                                       '--rho-min', 0.5]),
+                        ('gsam', ['--sam', '--rho', 0.5, '--gsam-alpha', 0.5, '--rho-min', 0.1]), ('base', []),
+                        ('sam-rho0', ['--sam', '--rho', 0]), ('gsam-rho0', ['--sam', '--rho', 0, '--gsam-alpha', 0.5])):
+        w[name], rows[name] = _cifar(cifar10_dir, tmp_path / name, *extra)
+    same = lambda a, b: all(torch.equal(v, w[b][k]) for k, v in w[a].items())  # noqa: E731
+    assert same('sam', 'gsam0') and same('base', 'sam-rho0') and same('base', 'gsam-rho0')
+    assert not same('sam', 'gsam')
+    assert all('surrogate_gap' not in r for r in rows['base']) and len(rows['sam']) == 2
+    assert all(r['surrogate_gap'] > 0 for name in ('sam', 'gsam') for r in rows[name])
+    assert all(r['surrogate_gap'] == 0 for r in rows['sam-rho0'])
+
+
+def test_cifar_gsam_resumes_bit_identically(cifar10_dir, tmp_path, one_thread, monkeypatch):
+    """A GSAM run stopped in epoch 2 and resumed (rho_t from the same schedule) ends where the whole run ends."""
+    import train_cifar
+    flags = ['--sam', '--rho', 0.5, '--gsam-alpha', 0.3, '--rho-min', 0.1, '--sam-m', 25]
+    whole, _ = _cifar(cifar10_dir, tmp_path / 'whole', *flags)
+    real = train_cifar.train_step
+
+    def stop(*a, **k):  # the first step of epoch 2 (2 steps an epoch)
+        stop.calls += 1
+        if stop.calls == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    stop.calls = 0
+    monkeypatch.setattr(train_cifar, 'train_step', stop)
+    with pytest.raises(SystemExit):
+        _cifar(cifar10_dir, tmp_path / 'cut', *flags)
+    monkeypatch.setattr(train_cifar, 'train_step', real)
+    train_cifar.main(['--resume', str(tmp_path / 'cut' / 'last.pt')])
+    resumed = torch.load(tmp_path / 'cut' / 'last.pt', weights_only=True)['model']
+    assert all(torch.equal(v, resumed[k]) for k, v in whole.items())
+
+
+@pytest.mark.parametrize('script', ['train_cifar', 'train_imagenet'])
+@pytest.mark.parametrize('argv,message', [
+    (['--gsam-alpha', '0.5'], '--gsam-alpha only act with --sam'),
+    (['--rho-min', '0.01'], '--rho-min only act with --sam'),
+    (['--sam', '--gsam-alpha', '-1'], '--gsam-alpha must be a finite number >= 0, got -1.0'),
+    (['--sam', '--gsam-alpha', 'nan'], '--gsam-alpha must be a finite number >= 0, got nan'),
+    (['--sam', '--rho-min', '0.1'], '--rho-min must be a finite number >= 0 and <= 0.05, got 0.1'),
+    (['--sam', '--rho-min', '-0.01'], '--rho-min must be a finite number >= 0 and <= 0.05, got -0.01'),
+])
+def test_bad_gsam_flags_are_refused(script, argv, message):
+    import utils
+    mod = __import__(script)
+    with pytest.raises(utils.UserError, match=re.escape(message)):
+        mod.get_args(argv + (['--synthetic'] if script == 'train_imagenet' else []))
+
+
+def test_imagenet_gsam_alpha_zero_is_sam_and_logs_the_gap(cifar10_dir, tmp_path, one_thread):
+    """train_imagenet.py on 40 CIFAR images in its folder layout, m-sharpness groups inside 2 micro-batches:
+    --gsam-alpha 0 --rho-min = --rho is --sam bit for bit; the train rows of both hold the surrogate gap."""
+    import shutil
+    import train_imagenet
+    for split, src, n in (('train', 'train', 4), ('val', 'test', 1)):
+        for c in sorted(os.listdir(cifar10_dir / src)):
+            (tmp_path / 'data' / split / c).mkdir(parents=True)
+            for f in sorted(os.listdir(cifar10_dir / src / c))[:n]:
+                shutil.copy(cifar10_dir / src / c / f, tmp_path / 'data' / split / c / f.replace('.jpg', '.JPEG'))
+    common = ['--data', tmp_path / 'data', '--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=32', 'heads=2',
+              '--img-size', 32, '--sam', '--rho', 0.5, '--batch-size', 8, '--accum-steps', 2, '--sam-m', 2,
+              '--max-steps', 2, '--log-every', 1, '--workers', 0, '--save-every', 2, '--lr', 0.01,
+              '--warmup-steps', 1]
+    w = []
+    for extra in ([], ['--gsam-alpha', 0, '--rho-min', 0.5]):
+        out = tmp_path / str(len(w))
+        train_imagenet.main([str(a) for a in [*common, *extra, '--out', out]])
+        w.append(torch.load(out / 'last.pt', weights_only=False)['model'])
+        rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+        assert [r['surrogate_gap'] > 0 for r in rows if r['kind'] == 'train'] == [True, True]
+    assert all(torch.equal(v, w[1][k]) for k, v in w[0].items())
