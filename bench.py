@@ -1,7 +1,7 @@
 """bench.py: this repo's speed beside the code people would otherwise use, as ONE markdown table.
 
 Model rows: a training step (fwd + bwd + AdamW) of our model beside timm's model of the same config,
-same weights, batch and dtype; our SAM step over our base step, our GSAM step over our SAM step; peak memory; training FLOPs; on CUDA
+same weights, batch and dtype; our SAM step over our base step, GSAM over SAM; peak memory; training FLOPs; on CUDA
 the achieved TFLOP/s and MFU. cifar rows: augment.make_augment at train_cifar.py's default recipe beside
 locuslab/convmixer-cifar10's PIL pipeline (one image at a time), both on one core; then its share of a CIFAR step.
 
@@ -121,8 +121,7 @@ def build(name, side, px):
 
 
 def make_step(name, side, px, batch, amp, channels_last, device, compile=False, sam=False, m=None):
-    """(step, module, opt, x, y): step() runs one training step (SAM if sam; sam='gsam': GSAM with the ViT-B/16 settings
-    of Zhuang et al. 2022 Table 4; m < batch: m-sharpness) of one side."""
+    """(step, module, opt, x, y): step() runs one training step (SAM if sam, GSAM if 'gsam'; m: m-sharpness)."""
     torch.manual_seed(0)  # the same weights on both sides: ours loads timm's (the same keys)
     module = theirs = build(name, 'timm', px)
     if side == 'ours':
@@ -135,9 +134,8 @@ def make_step(name, side, px, batch, amp, channels_last, device, compile=False, 
     y = torch.randint(0, module.num_classes, (batch,), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == 'bf16')
     kw = dict(lr=1e-4, weight_decay=0.05, foreach=True)  # foreach: the default on CUDA, opt-in on CPU
-    opt = GSAM(module.parameters(), torch.optim.AdamW, rho=0.6, rho_min=0.2, alpha=0.4, lr_max=1e-4, lr_min=0.0,
-               **kw) if sam == 'gsam' else SAM(module.parameters(), torch.optim.AdamW, rho=0.05, **kw) if sam else \
-        torch.optim.AdamW(module.parameters(), **kw)
+    opt = (GSAM(module.parameters(), torch.optim.AdamW, alpha=0.4, **kw) if sam == 'gsam' else SAM(module.parameters(),
+           torch.optim.AdamW, rho=0.05, **kw) if sam else torch.optim.AdamW(module.parameters(), **kw))  # (rho 0.05)
     groups = list(zip(x.split(m or batch), y.split(m or batch)))  # m-sharpness: k groups of m images (k = 1: plain SAM)
 
     def step():
@@ -152,9 +150,7 @@ def make_step(name, side, px, batch, amp, channels_last, device, compile=False, 
                 loss.backward()
                 if j < len(groups) - 1:
                     opt.next_group()  # w <- w_old; the sum of g_sam set aside
-            if sam == 'gsam':
-                opt.gsam_gradient()  # g_p - alpha g_perp (one process: no all-reduce)
-            opt.second_step(zero_grad=True)  # w <- w_old, then AdamW with the mean g_sam
+            opt.second_step(zero_grad=True)  # w <- w_old, then AdamW with the mean g_sam (GSAM: g_p - alpha g_perp)
         else:
             opt.zero_grad(set_to_none=True)
             with autocast:

@@ -56,8 +56,8 @@ BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_
                    randaug_n=0, mixup=0.0, cutmix=0.0, reprob=0.0, norm='jax', crop_pct=0.875, eval_interp='bilinear')
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
 DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=256, sam=False,
-                rho=0.05, adaptive=False, sam_m=0, gsam_alpha=None, rho_min=None, amp='auto', seed=0, log_every=50,
-                save_every=0, workers=8, synthetic=False)  # the same in every recipe (GSAM's None: plain SAM)
+                rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=8,
+                synthetic=False, gsam_alpha=None, rho_min=None)  # the same in every recipe (GSAM's None: SAM)
 RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
@@ -119,10 +119,8 @@ def get_args(argv=None):
     a('--adaptive', 'ASAM (Kwon et al. 2021)', action=argparse.BooleanOptionalAction)
     a('--sam-m', 'm-sharpness (Foret et al. Sec. 4.1): images per eps-hat, a divisor of the micro-batch; 0: the '
       "process's whole batch, as the JAX code per device (the paper: 4096 images on 64 TPU chips, m = 64)", type=int)
-    a('--gsam-alpha', 'GSAM (Zhuang et al. 2022, sam.GSAM): update g_p - A g_perp; unset (and no --rho-min): plain '
-      'SAM (their Table 4: ViT-B/16 0.4, Mixer-B/16 0.01)', type=float, metavar='A')
-    a('--rho-min', 'GSAM: rho follows the LR schedule, from R at its end (LR 0) to --rho at its peak; unset: --rho, '
-      'constant (their Table 4: 0.2)', type=float, metavar='R')
+    a('--gsam-alpha', 'GSAM (Zhuang et al. 2022; sam.GSAM): step along g_p - A g_perp; unset: SAM', type=float)
+    a('--rho-min', 'GSAM: rho goes with the LR from this (LR 0) to --rho (the peak LR); unset: --rho', type=float)
     a('--amp', 'autocast: auto = bf16 where the GPU has it, else off; fp16 adds a GradScaler',
       choices=['auto', 'bf16', 'fp16', 'off'])
     a('--seed', 'seed of the initial weights, data order and augmentation', type=int)
@@ -161,8 +159,7 @@ def get_args(argv=None):
     for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():  # later ones win
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     check_ranges(args, POSITIVE, NON_NEGATIVE, AT_MOST)  # the value as given: --lr, say, before the batch scaling
-    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if getattr(args, k) is not None],
-                 dict(rho_min=args.rho))  # (unset: plain SAM; rho_min <= rho: rho_t never exceeds --rho)
+    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho})
     if loose and not args.sam:
         raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
     if not args.data and not args.synthetic:
@@ -206,15 +203,14 @@ def accumulate(model, micro, scaler, label_smoothing, amp_dtype, share=1.0):
 
 
 def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothing=0.0, amp_dtype=None,
-               sam_m=None, gap=None):
+               sam_m=None, window=None):
     """One optimizer step on a batch split into micro-batches [(x, y), ...]; returns the (first pass's) mean loss.
     SAM (Foret et al. Alg. 1): the first pass accumulates g with no all-reduce (m-sharpness: each replica its own
     eps-hat, as the official JAX code), perturbs once, and the second pass accumulates g_SAM, which is clipped.
     sam_m below the process's batch: m-sharpness in groups of sam_m images (each dividing a micro-batch), each
     group its own eps-hat from its own first pass; the groups' g_SAM averaged, all-reduced once (sam.py).
-    GSAM (sam.GSAM): each replica's (group's) g_p is decomposed against its own g, so the second passes run under
-    no_sync too and gsam_gradient() averages the result in one all-reduce (big_vision: pmean after gsam_gradient).
-    gap: a 0-d tensor on the device; SAM/GSAM add this step's surrogate gap f_p - f to it (no host sync)."""
+    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (sam.GSAM). window: a (2,)
+    tensor on the device, += (the loss, the surrogate gap f_p - f of SAM/GSAM), read only at the log row."""
     gsam, loss_p = isinstance(optimizer, GSAM), 0.0
     groups = [(xg, yg) for x, y in micro for xg, yg in zip(x.split(sam_m), y.split(sam_m))] if sam and sam_m else []
     if len(groups) > 1 and sam_m < sum(len(x) for x, _ in micro):
@@ -223,9 +219,9 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
             with first_pass(model):  # a clean gradient of this group alone
                 loss += accumulate(model, [group], scaler, label_smoothing, amp_dtype) / len(groups)
             optimizer.first_step(zero_grad=True)  # w <- w + eps_hat_j; .grad <- the groups' g_SAM so far
-            with second_pass(model, sync=j == len(groups) - 1 and not gsam):  # DDP: one all-reduce, on the last
-                loss_p += accumulate(model, [group], scaler, label_smoothing, amp_dtype,  # backward (GSAM: below)
-                                     share=1 / len(groups)) / len(groups)
+            with second_pass(model, sync=j == len(groups) - 1 and not gsam):  # DDP: one all-reduce (GSAM: below)
+                loss_p += accumulate(model, [group], scaler, label_smoothing, amp_dtype, share=1 / len(groups)) \
+                    / len(groups)
             if j < len(groups) - 1:
                 optimizer.next_group()  # w restored exactly; the g_SAM sum set aside
     elif sam:
@@ -238,8 +234,8 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
         loss = accumulate(model, micro, scaler, label_smoothing, amp_dtype)
     if gsam:
         optimizer.gsam_gradient(all_reduce=dist.is_initialized())  # g_p - alpha g_perp, mean over groups, replicas
-    if sam and gap is not None:
-        gap += loss_p - loss
+    if window is not None:
+        window += torch.stack([loss, loss_p - loss if sam else torch.zeros_like(loss)])
     if clip_grad > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
@@ -323,17 +319,17 @@ def split_batch(args, world):
     return per_step, k, m
 
 
-def make_optimizer(args, model, lr_min=0.0):
-    """AdamW or SGD, SAM-wrapped with --sam (GSAM with --gsam-alpha/--rho-min: rho_t between the schedule's peak
-    --lr and its end lr_min); weight decay only on matrices and conv kernels, as timm."""
+def make_optimizer(args, model, steps):
+    """AdamW or SGD, SAM-wrapped with --sam; weight decay only on matrices and conv kernels, as timm."""
     groups = [dict(params=[], weight_decay=args.wd), dict(params=[], weight_decay=0.0)]
     for name, p in model.named_parameters():
         groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
     base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
         (torch.optim.SGD, dict(momentum=0.9))
-    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):
-        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0,
-                    lr_max=args.lr, lr_min=lr_min, adaptive=args.adaptive, lr=args.lr, **base_kw)
+    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # GSAM; rho_t: peak LR .. end LR
+        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=args.lr,
+                    lr_min=lr_at(args.epochs * steps, args.lr, args.sched, args.warmup_steps, args.epochs, steps),
+                    adaptive=args.adaptive, lr=args.lr, **base_kw)
     return (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
             else base(groups, lr=args.lr, **base_kw))
 
@@ -394,8 +390,7 @@ def main(argv=None):
         return res
     train_model = wrap_ddp(model, proc)
     train_model = torch.compile(train_model) if args.compile else train_model  # DDP overlaps buckets with backward
-    optimizer = make_optimizer(args, model, lr_at(args.epochs * sampler.steps, args.lr, args.sched,  # the LR
-                                                  args.warmup_steps, args.epochs, sampler.steps))  # at the end
+    optimizer = make_optimizer(args, model, sampler.steps)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
     steps = sampler.steps
     step, history = resume(args, model, optimizer, scaler, steps, log) if args.resume else (0, [])
@@ -404,8 +399,7 @@ def main(argv=None):
     info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps,
                 total_steps=args.epochs * steps)
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
-        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}'
-        f'{f" GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho_min}" * isinstance(optimizer, GSAM)}, out {args.out}')
+        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
 
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     total, stop = args.epochs * steps, min(args.epochs * steps, args.max_steps or math.inf)
@@ -430,18 +424,16 @@ def main(argv=None):
                     group['lr'] = lr
                 loss = train_step(train_model, optimizer, scaler, micro, sam=args.sam, clip_grad=args.clip_grad,
                                   label_smoothing=args.label_smoothing, amp_dtype=proc.amp_dtype, sam_m=m,
-                                  gap=window[1])  # (SAM/GSAM: f_p - f added on the device)
+                                  window=window)  # (+= the loss and, SAM/GSAM, the surrogate gap, on the device)
                 step, n_window = step + 1, n_window + 1
-                window[0] += loss
                 first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
                 if (args.log_every and step % args.log_every == 0) or step % steps == 0:  # a train row
                     check_finite(first_bad, steps, saved, 'step', distributed)
                     if distributed:
                         dist.all_reduce(window)
-                    loss_sum, gap_sum = window.tolist()
-                    history.append(row := dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=loss_sum
-                                               / world / n_window, **({'surrogate_gap': gap_sum / world / n_window}
-                                                                      if args.sam else {}),
+                    (loss_sum, gap_sum), n = window.tolist(), world * n_window  # gap: SAM/GSAM's f_p - f
+                    history.append(row := dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=loss_sum / n,
+                                               **({'surrogate_gap': gap_sum / n} if args.sam else {}),
                                                img_per_s=args.batch_size * n_window / (time.time() - t_window),
                                                elapsed_s=time.time() - t_start))
                     epoch_loss += row['loss'] * n_window

@@ -504,3 +504,56 @@ def test_imagenet_gsam_alpha_zero_is_sam_and_logs_the_gap(cifar10_dir, tmp_path,
         rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
         assert [r['surrogate_gap'] > 0 for r in rows if r['kind'] == 'train'] == [True, True]
     assert all(torch.equal(v, w[1][k]) for k, v in w[0].items())
+
+
+# -----------------------------------------------------------------------------
+# No host sync in a GSAM step; SAM.step's own unscale (scaler.step without unscale_) is multi-tensor
+def test_no_host_sync_in_the_gsam_step():
+    """first_step, the decomposition (two dot products, the guard on ||g_p|| = 0 by torch.where) and the step read
+    nothing back to the host (no scaler; an enabled GradScaler's one read of found_inf is GradScaler's own)."""
+    from test_sam import _count_host_syncs
+    model = _mlp(0, bn=True)
+    opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.2, rho_min=0.1, alpha=0.4, lr_max=0.1, lr_min=0.0, lr=0.1,
+               momentum=0.9)
+    x, y = _data(0, 8)
+    w0 = _params(model)
+    for j, (xg, yg) in enumerate(zip(x.chunk(2), y.chunk(2))):
+        F.cross_entropy(model(xg), yg).backward()
+        with _count_host_syncs() as calls:
+            opt.first_step(zero_grad=True)
+            with second_pass(model, sync=False):
+                (F.cross_entropy(model(xg), yg) / 2).backward()
+            if j == 0:
+                opt.next_group()
+            else:
+                opt.gsam_gradient()
+                opt.second_step(zero_grad=True)
+        assert calls == []
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))
+
+
+def test_unscale_inside_step_is_one_foreach_kernel_per_dtype_and_equals_unscale_():
+    """scaler.step(opt) without scaler.unscale_(opt): SAM.step unscales with one _foreach_mul_ per (device, dtype),
+    not a mul_ per parameter, and the weights equal those of the unscale_ path (GradScaler's own kernel)."""
+    runs = []
+    for unscale in (True, False):
+        m32, m64 = _mlp(0), _mlp(1).to(F64)  # two dtypes: two buckets
+        opt = SAM([*m32.parameters(), *m64.parameters()], torch.optim.SGD, rho=0.1, lr=0.1)
+        scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)
+        for step in range(2):
+            x, y = _data(step, 8)
+            for _ in range(2):  # the two passes
+                scaler.scale(F.cross_entropy(m32(x), y) + F.cross_entropy(m64(x.to(F64)), y)).backward()
+                if _ == 0:
+                    opt.first_step(zero_grad=True)
+            if unscale:
+                scaler.unscale_(opt)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                scaler.step(opt)
+            ops = [e.name for e in prof.events() if e.cpu_parent is None or not e.cpu_parent.name.startswith(
+                'aten::_foreach')]  # (on a CPU a _foreach kernel runs its per-tensor ops inside itself)
+            assert ops.count('aten::mul_') == 0 and ops.count('aten::_foreach_mul_') == 2 * (not unscale), ops
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        runs.append([*_params(m32), *_params(m64)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
