@@ -277,13 +277,14 @@ class GSAM(SAM):
         w    <- w + rho_t g / (||g|| + 1e-12)               as SAM (or ASAM, or adaptive_perturbation below)
         g_p   = grad L(w + eps)                             perturbed pass; f_p - f = h, the surrogate gap
         minimize_fp=True (the paper):  d = g_p - alpha g_perp,   g_perp = g - <g, g_p>/||g_p||^2 g_p
-        minimize_fp=False (big_vision's option): d = g + alpha (g_p - <g, g_p>/||g|| ^2 g)
+        minimize_fp=False (big_vision's option): d = g + alpha (g_p - <g, g_p>/||g||^2 g)
         w    <- w_old; base step with d, averaged over replicas AFTER the decomposition     second_step()
 
     lr_t is the lr of the group at first_step (what the script's schedule set for this step; big_vision PR #8
-    fixed passing the schedule's factor instead). lr_max, lr_min: the range of that schedule; without them rho_min
-    must equal rho (rho_t = rho). rho_min (None: = rho) and alpha are per-group settings like rho, the dot
-    products global. alpha = 0 and rho_min = rho is SAM bit for bit (tests/test_gsam.py).
+    fixed passing the schedule's factor instead; its train.py reads the schedule at the 1-based step, optax at the
+    0-based count, so its rho_t runs one step ahead of its lr: here both are the lr of the step taken). lr_max,
+    lr_min: the range of that schedule; without them rho_min must equal rho (rho_t = rho). rho_min (None: = rho)
+    and alpha are per-group settings like rho, the dot products global. alpha = 0 and rho_min = rho is SAM bit for bit (tests/test_gsam.py).
     adaptive_perturbation=True is big_vision's w + |w| rho_t g / (||g|| + 1e-12): the norm is of g, the move |w| g;
     ASAM (adaptive=True) instead moves rho T^2 g / ||T g|| with T = |w| + eta. They are exclusive.
     <g, g_p>/||g_p||^2 g_p is the official <g, g_p/||g_p||> g_p/||g_p||, computed so that g_p = g (rho = 0) gives
@@ -372,9 +373,12 @@ class GSAM(SAM):
         over the replicas of the default process group, in one all-reduce of a flat buffer."""
         if self.clean is None or self.moved is None:
             raise RuntimeError('GSAM.gsam_gradient() / next_group() follows first_step() and the second pass, once')
+        if not self.clean:  # no parameter has a gradient: nothing to decompose
+            self.earlier = self.clean = None
+            return
         gp = [torch.cat([p.grad.reshape(-1) for p in ps]) for _, ps, _ in self.clean]
         g = [self.g_flat[key] for *_, key in self.clean]
-        dev = g[0].device if g else None
+        dev = g[0].device
         dot = lambda a, b: sum(torch.dot(x, y).to(dev) for x, y in zip(a, b))  # noqa: E731 (one kernel each)
         g_gp, base = dot(g, gp), dot(gp, gp) if self.minimize_fp else dot(g, g)
         c = torch.where(base > 0, g_gp / base, 0.0)  # <g, g_p>/||g_p||^2 (0 for g_p = 0: no 0/0)
