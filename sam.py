@@ -284,7 +284,8 @@ class GSAM(SAM):
     fixed passing the schedule's factor instead; its train.py reads the schedule at the 1-based step, optax at the
     0-based count, so its rho_t runs one step ahead of its lr: here both are the lr of the step taken). lr_max,
     lr_min: the range of that schedule; without them rho_min must equal rho (rho_t = rho). rho_min (None: = rho)
-    and alpha are per-group settings like rho, the dot products global. alpha = 0 and rho_min = rho is SAM bit for bit (tests/test_gsam.py).
+    and alpha are per-group settings like rho, the dot products global. alpha = 0 and rho_min = rho is SAM bit
+    for bit (tests/test_gsam.py).
     adaptive_perturbation=True is big_vision's w + |w| rho_t g / (||g|| + 1e-12): the norm is of g, the move |w| g;
     ASAM (adaptive=True) instead moves rho T^2 g / ||T g|| with T = |w| + eta. They are exclusive.
     <g, g_p>/||g_p||^2 g_p is the official <g, g_p/||g_p||> g_p/||g_p||, computed so that g_p = g (rho = 0) gives
