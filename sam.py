@@ -324,6 +324,7 @@ class GSAM(SAM):
         for group in self.param_groups:
             self.fill_group(group)
         self.clean = None     # [(group, params, flat g)] from first_step until the decomposition
+        self.earlier = None   # m-sharpness: the earlier groups' first terms, set aside as SAM.next_group does
         self.g_flat = {}      # bucket -> flat buffer of g (kept from step to step: allocated once)
         self.r_sum = {}       # bucket -> sum of the groups' second terms (m-sharpness, k > 1)
         self.groups_done = 0  # m-sharpness groups decomposed in this step
@@ -339,11 +340,9 @@ class GSAM(SAM):
             raise ValueError('rho_min < rho follows the learning rate: pass lr_max and lr_min (the schedule\'s range)')
 
     def add_param_group(self, param_group):
-        if hasattr(self, 'base_optimizer'):
-            super().add_param_group(param_group)
+        super().add_param_group(param_group)
+        if hasattr(self, 'base_optimizer'):  # (during SAM.__init__ the groups are filled in after it)
             self.fill_group(self.param_groups[-1])
-        else:  # during SAM.__init__: filled in there
-            super().add_param_group(param_group)
 
     def radius(self, group):
         """rho_t (big_vision: sam_rho), from the lr of this step."""

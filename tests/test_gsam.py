@@ -554,3 +554,25 @@ def test_unscale_inside_step_is_one_foreach_kernel_per_dtype_and_equals_unscale_
             opt.zero_grad(set_to_none=True)
         runs.append([*_params(m32), *_params(m64)])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize('kw,error,message', [
+    (dict(alpha=-0.1), ValueError, 'alpha must be a finite number >= 0, got -0.1'),
+    (dict(alpha=math.nan), ValueError, 'alpha must be a finite number >= 0, got nan'),
+    (dict(rho_min=0.2, lr_max=1.0, lr_min=0.0), ValueError, 'rho_min must be a finite number >= 0 and <= rho'),
+    (dict(rho_min=0.01), ValueError, 'pass lr_max and lr_min'),
+    (dict(lr_max=1.0), ValueError, 'lr_max and lr_min go together'),
+    (dict(adaptive=True, adaptive_perturbation=True), ValueError, 'two perturbations'),
+    (dict(alpha='0.1'), TypeError, "alpha must be a real number, got str '0.1'"),
+])
+def test_bad_gsam_settings_are_refused(kw, error, message):
+    """At construction and in an added group alike (rho 0.05): a negative rho_min or alpha would turn the method
+    round; rho_min above rho or a schedule-following rho without the schedule's range has no meaning."""
+    m = _mlp(0)
+    with pytest.raises(error, match=re.escape(message)):
+        GSAM(m.parameters(), torch.optim.SGD, lr=0.1, **kw)
+    group_kw = {k: v for k, v in kw.items() if k not in ('lr_max', 'lr_min')}
+    if group_kw and 'lr_max' not in kw:
+        opt = GSAM(list(m.parameters())[:1], torch.optim.SGD, lr=0.1)
+        with pytest.raises(error, match=re.escape(message)):
+            opt.add_param_group({'params': list(m.parameters())[1:], **group_kw})
