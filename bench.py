@@ -1,7 +1,7 @@
 """bench.py: this repo's speed beside the code people would otherwise use, as ONE markdown table.
 
 Model rows: a training step (fwd + bwd + AdamW) of our model beside timm's model of the same config,
-same weights, batch and dtype; our SAM step over our base step; peak memory; training FLOPs; on CUDA
+same weights, batch and dtype; our SAM step over our base step, GSAM over SAM; peak memory; training FLOPs; on CUDA
 the achieved TFLOP/s and MFU. cifar rows: augment.make_augment at train_cifar.py's default recipe beside
 locuslab/convmixer-cifar10's PIL pipeline (one image at a time), both on one core; then its share of a CIFAR step.
 loader rows: train_imagenet.py's input per loader worker core, for each recipe and --decode path, on ImageNet-sized
@@ -42,7 +42,7 @@ import vit
 from data import MEAN, STD
 from models import channels_last
 from runs import save_atomic
-from sam import SAM, first_pass, second_pass
+from sam import GSAM, SAM, first_pass, second_pass
 from utils import UserError, refuse_loose
 
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
@@ -137,7 +137,7 @@ def build(name, side, px):
 
 
 def make_step(name, side, px, batch, amp, channels_last, device, compile=False, sam=False, m=None):
-    """(step, module, opt, x, y): step() runs one training step (SAM if sam; m < batch: m-sharpness) of one side."""
+    """(step, module, opt, x, y): step() runs one training step (SAM if sam, GSAM if 'gsam'; m: m-sharpness)."""
     torch.manual_seed(0)  # the same weights on both sides: ours loads timm's (the same keys)
     module = theirs = build(name, 'timm', px)
     if side == 'ours':
@@ -150,8 +150,8 @@ def make_step(name, side, px, batch, amp, channels_last, device, compile=False, 
     y = torch.randint(0, module.num_classes, (batch,), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == 'bf16')
     kw = dict(lr=1e-4, weight_decay=0.05, foreach=True)  # foreach: the default on CUDA, opt-in on CPU
-    opt = SAM(module.parameters(), torch.optim.AdamW, rho=0.05, **kw) if sam else torch.optim.AdamW(
-        module.parameters(), **kw)
+    opt = (GSAM(module.parameters(), torch.optim.AdamW, alpha=0.4, **kw) if sam == 'gsam' else SAM(module.parameters(),
+           torch.optim.AdamW, rho=0.05, **kw) if sam else torch.optim.AdamW(module.parameters(), **kw))  # (rho 0.05)
     groups = list(zip(x.split(m or batch), y.split(m or batch)))  # m-sharpness: k groups of m images (k = 1: plain SAM)
 
     def step():
@@ -161,12 +161,12 @@ def make_step(name, side, px, batch, amp, channels_last, device, compile=False, 
                     loss = F.cross_entropy(model(xg), yg)
                 loss.backward()
                 opt.first_step(zero_grad=True)  # w <- w + eps_hat_j; .grad <- the g_sam set aside so far
-                with second_pass(module, sync=j == len(groups) - 1), autocast:
+                with second_pass(module, sync=j == len(groups) - 1 and sam != 'gsam'), autocast:
                     loss = F.cross_entropy(model(xg), yg) / len(groups)
                 loss.backward()
                 if j < len(groups) - 1:
                     opt.next_group()  # w <- w_old; the sum of g_sam set aside
-            opt.second_step(zero_grad=True)  # w <- w_old, then AdamW with the mean g_sam
+            opt.second_step(zero_grad=True)  # w <- w_old, then AdamW with the mean g_sam (GSAM: g_p - alpha g_perp)
         else:
             opt.zero_grad(set_to_none=True)
             with autocast:
@@ -237,15 +237,15 @@ def bench_model(name, args, compile=False, nhwc=False):
                gflops=train_gflops(lambda: build(name, 'ours', px), px))
     row['sam_m'] = m = args.sam_m if args.sam_m < batch else max(1, batch // 4)  # 32 at 128; small batch: a quarter
     for key, side, sam, m_ in (('ours', 'ours', 0, 0), ('ref', 'timm', 0, 0), ('sam', 'ours', 1, 0),
-                               ('sam_m', 'ours', 1, m)):
+                               ('sam_m', 'ours', 1, m), ('gsam', 'ours', 'gsam', 0)):
         if compile:  # compiled sides share dynamo's cache: the next would recompile, dynamic in the batch; start clean
             torch._dynamo.reset()
-        step = make_step(name, side, *common, bool(sam), m_)[0]
+        step = make_step(name, side, *common, sam if sam == 'gsam' else bool(sam), m_)[0]
         step()  # first step: AdamW's state, cudnn.benchmark's choice, the compile
         row[f'{key}_s'] = median_s(step, args.min_run_time)
         del step
         # a compiled side's CPU RSS would count the compiler; it recompiles on CUDA: not measured
-        if not key.startswith('sam') and not compile:
+        if key in ('ours', 'ref') and not compile:
             row[f'{key}_mib'] = peak_mib(args.device, warm_up, name, side, *common)
     return row
 
@@ -358,7 +358,7 @@ def table(rows, gpu=None, peak_tflops=None, measured=None):
     measured (FLOP/s of a large bf16 matmul in this run) adds the MFU of what this GPU achieves."""
     peak = peak_tflops * 1e12 if peak_tflops else PEAK_BF16.get(gpu)
     head = ['row', 'px', 'batch', 'dtype', 'mode', 'ours img/s', 'ref img/s', 'ours/ref', 'SAM/base', 'SAM m/base',
-            'peak MiB ours / ref', 'train GFLOP/img'] + ['TFLOP/s ours / ref', 'MFU ours / ref'] * bool(gpu) + \
+            'GSAM/SAM', 'peak MiB ours / ref', 'train GFLOP/img'] + ['TFLOP/s ours / ref', 'MFU ours / ref'] * bool(gpu) + \
         ['MFU of measured ours / ref'] * bool(gpu and measured)
     lines = ['| ' + ' | '.join(head + ['reference; notes']) + ' |', '|' + '---|' * (len(head) + 1)]
     for r in rows:
@@ -367,6 +367,7 @@ def table(rows, gpu=None, peak_tflops=None, measured=None):
                  f'{ips[0] / ips[1]:.2f}' if ips[1] else '—',
                  f"{r['sam_s'] / r['ours_s']:.2f}" if 'sam_s' in r else '—',
                  f"{r['sam_m_s'] / r['ours_s']:.2f} (m {r['sam_m']})" if 'sam_m_s' in r else '—',
+                 f"{r['gsam_s'] / r['sam_s']:.2f}" if 'gsam_s' in r else '—',
                  f"{fmt(r['ours_mib'])} / {fmt(r['ref_mib'])}" if 'ours_mib' in r else '—', fmt(r.get('gflops'))]
         if gpu:
             tflops = [i * r['gflops'] / 1e3 if i and 'gflops' in r else None for i in ips]

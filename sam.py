@@ -1,4 +1,5 @@
-"""Sharpness-Aware Minimization (SAM) and adaptive SAM (ASAM) around any torch.optim optimizer.
+"""Sharpness-Aware Minimization (SAM) and adaptive SAM (ASAM) around any torch.optim optimizer; GSAM (class GSAM,
+its equations in its docstring) is SAM with rho following the lr and the update g_p - alpha g_perp.
 
 SAM is how Chen, Hsieh & Gong 2021 train ViTs and MLP-Mixers from scratch to flat minima.
 Foret, Kleiner, Mobahi & Neyshabur 2020, "Sharpness-Aware Minimization for Efficiently Improving
@@ -144,15 +145,16 @@ class SAM(torch.optim.Optimizer):
         todo = []  # (group, params, grads, T or None, T*g or g); the norm runs over all groups
         for group, ps in buckets.values():
             gs = [p.grad for p in ps]
-            t = torch._foreach_add(torch._foreach_abs(ps), group['eta']) if group['adaptive'] else None
-            todo.append((group, ps, gs, t, gs if t is None else torch._foreach_mul(t, gs)))
+            t = torch._foreach_add(torch._foreach_abs(ps), group['eta']) if group['adaptive'] else \
+                torch._foreach_abs(ps) if group.get('adaptive_perturbation') else None  # (GSAM's option)
+            todo.append((group, ps, gs, t, torch._foreach_mul(t, gs) if group['adaptive'] else gs))
         norm = torch.nn.utils.get_total_norm([x for *_, tg in todo for x in tg])
         finite = norm.isfinite()  # a 0-dim tensor: no host sync, the CPU keeps queueing
         self.moved = []
         for group, ps, gs, t, tg in todo:
-            scale = torch.where(finite, group['rho'] / (norm + 1e-12), 0.0)  # 1e-12 guards g = 0
+            scale = torch.where(finite, self.radius(group) / (norm + 1e-12), 0.0)  # 1e-12 guards g = 0
             if t is not None:
-                torch._foreach_mul_(t, tg)  # T^2 g (ASAM), in place of T
+                torch._foreach_mul_(t, tg)  # T^2 g (ASAM) or |w| g (GSAM's), in place of T
             # rho g/||g|| (ASAM: rho T^2 g/||T g||) in one flat buffer, so that on an overflow,
             # where 0 * inf = nan, ONE nan_to_num makes the move exactly 0 and w stays w
             step = torch.cat([x.reshape(-1) for x in (gs if t is None else t)])
@@ -210,14 +212,20 @@ class SAM(torch.optim.Optimizer):
             if found_inf is not None and found_inf.item() > 0:  # its one host sync (fp16 only)
                 return None  # GradScaler lowers the scale; w is exactly as before the SAM step
             grad_scale = getattr(self, 'grad_scale', None)
-            if grad_scale is not None:  # scaler.unscale_ was not called: unscale as it would
-                inv = grad_scale.double().reciprocal().float()
+            if grad_scale is not None:  # scaler.unscale_ was not called: unscale as it would (its multiplier,
+                inv = grad_scale.double().reciprocal().float()  # one multi-tensor kernel per device and dtype)
+                buckets = {}
                 for group in self.param_groups:
                     for p in group['params']:
                         if p.grad is not None:
-                            p.grad.mul_(inv.to(p.grad.device))
+                            buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+                for (device, _), grads in buckets.items():
+                    torch._foreach_mul_(grads, inv.to(device))
             self.base_optimizer.step()
         return None
+
+    def radius(self, group):  # rho of this step (GSAM: rho_t)
+        return group['rho']
 
     def restore(self):
         if self.set_aside is not None:
@@ -243,6 +251,180 @@ class SAM(torch.optim.Optimizer):
         for group in self.param_groups:
             for key in ('rho', 'adaptive', 'eta'):
                 group.setdefault(key, self.defaults[key])
+
+
+def check_gsam_group(group):
+    """alpha >= 0, 0 <= rho_min <= rho (None: = rho), all finite: a negative rho_min would flip eps_hat in a run."""
+    for key in ('alpha', 'rho_min'):
+        v = group[key]
+        if v is None and key == 'rho_min':
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f'{key} must be a real number, got {type(v).__name__} {v!r}')
+        if not (math.isfinite(v) and 0 <= v <= (group['rho'] if key == 'rho_min' else math.inf)):
+            raise ValueError(f'{key} must be a finite number >= 0' + ' and <= rho' * (key == 'rho_min') + f', got {v}')
+
+
+class GSAM(SAM):
+    """GSAM(params, base_optimizer, rho=0.05, rho_min=None, alpha=0.0, lr_max=None, lr_min=None,
+    minimize_fp=True, adaptive_perturbation=False, adaptive=False, eta=0.01, **base_kwargs).
+
+    Zhuang et al. 2022, "Surrogate Gap Guided Sharpness-Aware Minimization" (ICLR 2022), Algorithm 1, as the
+    official code computes it (big_vision trainers/proj/gsam/gsam.py, gsam_gradient; train.py: pmean after it):
+
+        rho_t = rho_min + (rho - rho_min) (lr_t - lr_min) / (lr_max - lr_min)   rho_t = rho if lr_max = lr_min
+        g     = grad L(w)                                   clean pass (saved: one flat copy)       first_step()
+        w    <- w + rho_t g / (||g|| + 1e-12)               as SAM (or ASAM, or adaptive_perturbation below)
+        g_p   = grad L(w + eps)                             perturbed pass; f_p - f = h, the surrogate gap
+        minimize_fp=True (the paper):  d = g_p - alpha g_perp,   g_perp = g - <g, g_p>/||g_p||^2 g_p
+        minimize_fp=False (big_vision's option): d = g + alpha (g_p - <g, g_p>/||g||^2 g)
+        w    <- w_old; base step with d, averaged over replicas AFTER the decomposition     second_step()
+
+    lr_t is the lr of the group at first_step (what the script's schedule set for this step; big_vision PR #8
+    fixed passing the schedule's factor instead; its train.py reads the schedule at the 1-based step, optax at the
+    0-based count, so its rho_t runs one step ahead of its lr: here both are the lr of the step taken). lr_max,
+    lr_min: the range of that schedule; without them rho_min must equal rho (rho_t = rho). rho_min (None: = rho)
+    and alpha are per-group settings like rho, the dot products global. alpha = 0 and rho_min = rho is SAM bit
+    for bit (tests/test_gsam.py).
+    adaptive_perturbation=True is big_vision's w + |w| rho_t g / (||g|| + 1e-12): the norm is of g, the move |w| g;
+    ASAM (adaptive=True) instead moves rho T^2 g / ||T g|| with T = |w| + eta. They are exclusive.
+    <g, g_p>/||g_p||^2 g_p is the official <g, g_p/||g_p||> g_p/||g_p||, computed so that g_p = g (rho = 0) gives
+    g_perp = 0 exactly (both dot products by one kernel), so rho = 0 trains as the base optimizer bit for bit.
+
+    The loop is SAM's, with one more call after the last second pass:
+
+        ... first pass, first_step, second pass (each group: DDP no_sync, sync=False) as SAM, next_group() ...
+        optimizer.gsam_gradient(all_reduce=distributed)   # d of the last group + the others; one all-reduce (mean)
+        scaler.unscale_(optimizer); clip; scaler.step(optimizer); scaler.update(); zero_grad
+
+    Under DDP every backward runs under no_sync (second_pass(model, sync=False)): each replica decomposes its own
+    g_p (big_vision: per device, then pmean), and gsam_gradient(all_reduce=True) averages d over the default
+    process group in one all-reduce of a flat buffer. Without DDP, step() (or second_step(), or scaler.step)
+    calls gsam_gradient() itself if it was not called; the closure form does so too (under DDP a closure's
+    backward all-reduces both passes, so d is then computed from the averaged g and g_p).
+    m-sharpness: d_j per group j, from the group's own g_j and g_p,j, then the mean over the k groups: with the
+    second loss / k (as SAM) d_j/k = g_p,j/k - alpha (g_j - c_j g_p,j)/k; the second term is kept in a second
+    flat buffer (only when k > 1) and divided by k, counted here, at the end. GradScaler: the loss scale cancels
+    in c_j, d scales with it; an overflow in either pass makes d non-finite (0 * inf = nan), so the step is
+    skipped and w restored as in SAM. Cost over SAM: the flat copy of g, a transient flat copy of g_p, two dot
+    products, and (DDP) the explicit all-reduce instead of DDP's bucketed one; no host sync.
+    """
+
+    def __init__(self, params, base_optimizer, rho=0.05, rho_min=None, alpha=0.0, lr_max=None, lr_min=None,
+                 minimize_fp=True, adaptive_perturbation=False, adaptive=False, eta=0.01, **base_kwargs):
+        for name, v in (('lr_max', lr_max), ('lr_min', lr_min)):
+            if v is not None and not (isinstance(v, numbers.Real) and math.isfinite(v) and v >= 0):
+                raise ValueError(f'{name} must be a finite number >= 0, got {v!r}')
+        if (lr_max is None) != (lr_min is None) or (lr_max is not None and lr_max < lr_min):
+            raise ValueError(f'lr_max and lr_min go together, lr_max >= lr_min: got {lr_max}, {lr_min}')
+        self.lr_max, self.lr_min, self.minimize_fp = lr_max, lr_min, minimize_fp
+        self.gsam_defaults = dict(rho_min=rho_min, alpha=alpha, adaptive_perturbation=adaptive_perturbation)
+        super().__init__(params, base_optimizer, rho=rho, adaptive=adaptive, eta=eta, **base_kwargs)
+        self.defaults.update(self.gsam_defaults)
+        for group in self.param_groups:
+            self.fill_group(group)
+        self.clean = None     # [(group, params, flat g)] from first_step until the decomposition
+        self.earlier = None   # m-sharpness: the earlier groups' first terms, set aside as SAM.next_group does
+        self.g_flat = {}      # bucket -> flat buffer of g (kept from step to step: allocated once)
+        self.r_sum = {}       # bucket -> sum of the groups' second terms (m-sharpness, k > 1)
+        self.groups_done = 0  # m-sharpness groups decomposed in this step
+
+    def fill_group(self, group):
+        for key, v in self.gsam_defaults.items():
+            group.setdefault(key, v)
+        check_gsam_group(group)
+        if group['adaptive'] and group['adaptive_perturbation']:
+            raise ValueError('adaptive (ASAM: T^2 g/||T g||) and adaptive_perturbation (big_vision: |w| g/||g||) '
+                             'are two perturbations: choose one')
+        if group['rho_min'] not in (None, group['rho']) and self.lr_max is None:
+            raise ValueError('rho_min < rho follows the learning rate: pass lr_max and lr_min (the schedule\'s range)')
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if hasattr(self, 'base_optimizer'):  # (during SAM.__init__ the groups are filled in after it)
+            self.fill_group(self.param_groups[-1])
+
+    def radius(self, group):
+        """rho_t (big_vision: sam_rho), from the lr of this step."""
+        rho, rho_min = group['rho'], group['rho_min']
+        if rho_min is None or self.lr_max is None or self.lr_max == self.lr_min:
+            return rho
+        return rho_min + (rho - rho_min) * (group['lr'] - self.lr_min) / (self.lr_max - self.lr_min)
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        """Saves g (one flat copy per device and dtype), then SAM's first_step; the d of earlier m-sharpness
+        groups stays aside until the decomposition (the second pass must give g_p alone)."""
+        if self.moved is not None:
+            return super().first_step(zero_grad)  # (raises: a step in progress)
+        self.clean = []
+        for group in self.param_groups:
+            for dev_type in dict.fromkeys((p.device, p.dtype) for p in group['params'] if p.grad is not None):
+                ps = [p for p in group['params'] if p.grad is not None and (p.device, p.dtype) == dev_type]
+                key = (id(group), *dev_type)
+                self.g_flat[key] = torch.cat([p.grad.reshape(-1) for p in ps], out=self.g_flat.get(key))
+                self.clean.append((group, ps, key))
+        self.earlier, self.set_aside = self.set_aside, None
+        super().first_step(zero_grad)
+
+    @torch.no_grad()
+    def decompose(self, last, all_reduce=False):
+        """.grad <- d of this group (+ the earlier groups'); last: the mean over the k groups, then (all_reduce)
+        over the replicas of the default process group, in one all-reduce of a flat buffer."""
+        if self.clean is None or self.moved is None:
+            raise RuntimeError('GSAM.gsam_gradient() / next_group() follows first_step() and the second pass, once')
+        if not self.clean:  # no parameter has a gradient: nothing to decompose
+            self.earlier = self.clean = None
+            return
+        gp = [torch.cat([p.grad.reshape(-1) for p in ps]) for _, ps, _ in self.clean]
+        g = [self.g_flat[key] for *_, key in self.clean]
+        dev = g[0].device
+        dot = lambda a, b: sum(torch.dot(x, y).to(dev) for x, y in zip(a, b))  # noqa: E731 (one kernel each)
+        g_gp, base = dot(g, gp), dot(gp, gp) if self.minimize_fp else dot(g, g)
+        c = torch.where(base > 0, g_gp / base, 0.0)  # <g, g_p>/||g_p||^2 (0 for g_p = 0: no 0/0)
+        for (group, ps, key), gi, gpi in zip(self.clean, g, gp):
+            if self.minimize_fp:  # d = g_p - alpha (g - c g_p): gp stays, g -> -alpha g_perp
+                gi.addcmul_(gpi, c.to(gi.device), value=-1).mul_(-group['alpha'])
+            else:  # d = alpha (g_p - c g) + g: gp -> alpha (g_p)_perp, g stays
+                gpi.addcmul_(gi, c.to(gi.device), value=-1).mul_(group['alpha'])
+            views = [x.view_as(p) for x, p in zip(gpi.split([p.numel() for p in ps]), ps)]
+            if self.earlier is not None:  # the earlier groups' first terms (already / k)
+                torch._foreach_add_(views, [self.earlier[p] for p in ps])
+            if self.groups_done:
+                self.r_sum[key].add_(gi)
+            elif not last:  # (a buffer kept from step to step)
+                self.r_sum[key] = self.r_sum[key].copy_(gi) if key in self.r_sum and \
+                    self.r_sum[key].shape == gi.shape else gi.clone()
+            if last:  # the mean over the k groups: the terms of g were not divided by k in the first pass
+                gpi.add_(self.r_sum[key] if self.groups_done else gi, alpha=1 / (self.groups_done + 1))
+                if all_reduce:  # the mean over the replicas (as DDP: divide, then sum)
+                    gpi.div_(torch.distributed.get_world_size())
+                    torch.distributed.all_reduce(gpi)
+            torch._foreach_copy_([p.grad for p in ps], views)
+        self.earlier = self.clean = None
+
+    def next_group(self):
+        """m-sharpness, between two groups: this group's d (its share of the mean) onto .grad, then SAM's."""
+        self.decompose(last=False)
+        super().next_group()
+        self.groups_done += 1
+
+    def gsam_gradient(self, all_reduce=False):
+        """After the last second pass: .grad <- d, the mean over the groups; all_reduce=True (DDP, every backward
+        under no_sync): and over the replicas. Before unscale_/clipping/step."""
+        self.decompose(last=True, all_reduce=all_reduce)
+        self.groups_done = 0
+
+    def step(self, closure=None):
+        if closure is None and self.clean is not None:  # gsam_gradient() was not called: this process alone
+            self.gsam_gradient()
+        return super().step(closure)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # a SAM checkpoint: the constructor's GSAM settings
+            for key, v in self.gsam_defaults.items():
+                group.setdefault(key, v)
 
 
 def first_pass(model):

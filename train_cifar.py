@@ -29,7 +29,7 @@ from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
 from models import build_model, channels_last, load_weights, parse_model_kw, zero_head
 from pgd import pgd
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
-from sam import SAM, first_pass, second_pass
+from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group, leave,
                    rank_zero_first, setup, since_checkpoint, wrap_ddp)
 
@@ -74,6 +74,10 @@ def get_args(argv=None):
     g.add_argument('--adaptive', action='store_true', help='ASAM (Kwon et al. 2021): eps-hat scaled by |w|')
     g.add_argument('--sam-m', type=int, default=0, metavar='M', help='m-sharpness (Foret et al. Sec. 4.1): one eps-hat '
                    "per group of M images of a process's batch; 0: the whole of it, as the JAX code per device")
+    g.add_argument('--gsam-alpha', type=float, metavar='A', help='GSAM (Zhuang et al. 2022, sam.GSAM): update '
+                   'g_p - A g_perp; unset (and no --rho-min): plain SAM; 0 with --rho-min = --rho: SAM bit for bit')
+    g.add_argument('--rho-min', type=float, metavar='R', help='GSAM: rho follows the LR schedule from R (at its end, '
+                   'LR 0) to --rho (at its peak); unset: --rho, constant')
     g.add_argument('--adv', choices=['pgd'], help='train on PGD examples (Madry et al. 2018, pgd.py)')
     g.add_argument('--adv-eps', type=float, default=8.0, help='L-inf radius, in pixel levels /255')
     g.add_argument('--adv-alpha', type=float, default=2.0, help='PGD step size, in pixel levels /255')
@@ -124,13 +128,16 @@ def get_args(argv=None):
                  ['sam_m', 'train_subset', 'test_subset', 'log_every', 'randaug_n', 'randaug_m', 'seed', 'lr', 'wd',
                   'rho', 'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'],
                  dict(randaug_m=30, scale=1, reprob=1, label_smoothing=1))
+    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if getattr(args, k) is not None],
+                 dict(rho_min=args.rho))  # (unset: plain SAM; rho_min <= rho: rho_t never exceeds --rho)
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
         raise UserError('--eval-only evaluates --checkpoint PATH (not --resume); --checkpoint is for --eval-only')
     if args.pretrained and (args.resume or args.eval_only):
         raise UserError('--pretrained starts a new run from weights; --resume and --eval-only load their own')
     if args.resume and args.overwrite:
         raise UserError('--resume continues a run; --overwrite would start a new one in its folder')
-    for on, flags in (('sam', ('rho', 'adaptive', 'sam_m')), ('adv', ('adv_eps', 'adv_alpha', 'adv_steps'))):
+    for on, flags in (('sam', ('rho', 'adaptive', 'sam_m', 'gsam_alpha', 'rho_min')),
+                      ('adv', ('adv_eps', 'adv_alpha', 'adv_steps'))):
         if not getattr(args, on) and (loose := given(p, argv, *flags)):
             raise UserError(f'{", ".join(loose)} only act with --{on}: add --{on}, or leave them out')
     if args.classes and not (len(set(args.classes)) == len(args.classes) >= 2 and
@@ -176,12 +183,17 @@ def load_data(args, proc):
 
 
 def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
-    """One optimizer step on this process's batch (x, y) -> (the clean passes' mean loss, their logits), detached.
+    """One optimizer step on this process's batch (x, y) -> (the clean passes' mean loss, their logits, the surrogate
+    gap f_p - f of SAM/GSAM or None), detached, on the device.
     SAM (Foret et al. Alg. 1, sam.py) with m-sharpness (Sec. 4.1): each group of m images gets its own eps-hat from
     its own first pass (no all-reduce: DDP's no_sync); the SAM gradients of the groups are averaged, all-reduced
-    once; BatchNorm statistics come from the first passes. m = the whole batch (the default) is one group."""
+    once; BatchNorm statistics come from the first passes. m = the whole batch (the default) is one group.
+    GSAM (sam.GSAM): each group's (each replica's) g_p is decomposed against its own g, so the second passes run
+    under no_sync too and gsam_gradient() averages the result over the replicas in one all-reduce (big_vision's
+    pmean after gsam_gradient)."""
     groups = list(zip(x.split(m), y.split(m))) if args.sam else [(x, y)]
-    losses, outs = [], []
+    gsam = isinstance(opt, GSAM)
+    losses, outs, losses_p = [], [], []
     for j, (xg, yg) in enumerate(groups):
         with first_pass(model) if args.sam else nullcontext():
             with autocast:
@@ -192,19 +204,23 @@ def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
         outs.append(out.detach())
         if args.sam:
             opt.first_step(zero_grad=True)  # w <- w + eps-hat_j; .grad <- the SAM gradient of the groups before
-            with second_pass(model, sync=j == len(groups) - 1):  # DDP: one all-reduce, on the last backward
-                with autocast:
+            with second_pass(model, sync=j == len(groups) - 1 and not gsam):  # DDP: one all-reduce, on the last
+                with autocast:                                                # backward (GSAM: in gsam_gradient)
                     loss_sam = criterion(fwd(xg), yg) / len(groups)
                 scaler.scale(loss_sam).backward()  # g_SAM, averaged over the groups (and replicas)
+            losses_p.append(loss_sam.detach())
             if j < len(groups) - 1:
                 opt.next_group()  # w restored exactly; the SAM gradient so far set aside
+    if gsam:
+        opt.gsam_gradient(all_reduce=dist.is_initialized())  # g_p - alpha g_perp, mean over groups and replicas
     if args.clip_grad > 0:
         scaler.unscale_(opt)
         nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
     scaler.step(opt)  # SAM: w restored from its copy, then the base step with g_SAM
     scaler.update()
     opt.zero_grad(set_to_none=True)
-    return torch.stack(losses).mean(), torch.cat(outs)
+    loss = torch.stack(losses).mean()
+    return loss, torch.cat(outs), torch.stack(losses_p).sum() - loss if args.sam else None
 
 
 def make_optimizer(args, model):
@@ -212,15 +228,21 @@ def make_optimizer(args, model):
     as locuslab's AdamW."""
     base, kw = (torch.optim.SGD, dict(momentum=0.9)) if args.recipe == 'finetune' else (torch.optim.AdamW, {})
     kw.update(lr=args.lr, weight_decay=args.wd)
+    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # rho_t from the schedule's range:
+        lr_range = dict(lr_max=args.lr, lr_min=lr_at(args.epochs, args.epochs, args.lr, args.recipe))  # peak, end
+        return GSAM(model.parameters(), base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0,
+                    adaptive=args.adaptive, **lr_range, **kw)
     return SAM(model.parameters(), base, rho=args.rho, adaptive=args.adaptive, **kw) if args.sam else \
         base(model.parameters(), **kw)
 
 
-def train_row(epoch, step, lr, sums, images, t_row, t_start):
-    """A metrics.jsonl row of the steps since the last one: sums = (loss sum, correct, images) on the device."""
-    loss_sum, correct, count = sums.tolist()
+def train_row(epoch, step, lr, sums, images, t_row, t_start, sam=False):
+    """A metrics.jsonl row of the steps since the last one: sums = (loss sum, correct, images, gap sum) on the device;
+    SAM/GSAM rows add the surrogate gap h = f_p - f (Zhuang et al. 2022, eq. 2), the mean over the steps."""
+    loss_sum, correct, count, gap_sum = sums.tolist()
     return {'kind': 'train', 'epoch': epoch + 1, 'step': step, 'lr': lr, 'loss': loss_sum / count, 'acc': 100 * correct
-            / count, 'img_per_s': images / (time.time() - t_row), 'elapsed_s': time.time() - t_start}
+            / count, **({'surrogate_gap': gap_sum / count} if sam else {}), 'img_per_s': images / (time.time() - t_row),
+            'elapsed_s': time.time() - t_start}
 
 
 class StaticEval(nn.Module):
@@ -287,6 +309,7 @@ def main(argv=None):
         f'x {steps} steps of {args.batch_size} ({world} x {batch})'
         f' | {type(getattr(opt, "base_optimizer", opt)).__name__} lr {args.lr} wd {args.wd}'
         f'{f" | SAM rho {args.rho} m {m}" * args.sam}'
+        f'{f" | GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho_min}" * isinstance(opt, GSAM)}'
         f'{f" | PGD-{args.adv_steps} eps {args.adv_eps:g}/255" * bool(args.adv)}'
         f' | aug {args.aug} | amp {proc.amp} | {device}')
     last, epoch, saved = out_dir / 'last.pt', start_epoch, (args.resume, start_epoch)  # saved: the last good one
@@ -299,8 +322,8 @@ def main(argv=None):
             augment.generator.manual_seed(epoch_seed(args.seed, epoch, rank))
             perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(epoch_seed(args.seed, epoch)))
             perm, t_epoch, t_row, row_start = perm.to(device), time.time(), time.time(), 0
-            sums = torch.zeros(2, 3, dtype=torch.float64, device=device)  # (since the last row, epoch) x
-            model.train()                                                  # (loss sum, correct, images)
+            sums = torch.zeros(2, 4, dtype=torch.float64, device=device)  # (since the last row, epoch) x
+            model.train()                                                  # (loss sum, correct, images, gap sum)
             for i in range(steps):
                 lr = lr_at(epoch + (i + 1) / steps, args.epochs, args.lr, args.recipe)
                 for group in opt.param_groups:
@@ -312,17 +335,19 @@ def main(argv=None):
                         x = (pgd(eval_model, x * std + mean, y, args.adv_eps / 255, args.adv_alpha / 255,
                                  args.adv_steps, normalize=lambda v: (v - mean) / std) - mean) / std
                 x = x.contiguous(memory_format=torch.channels_last) if args.channels_last else x
-                loss, out = train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast)
+                loss, out, gap = train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast)
                 step += 1
                 loss = loss.double()  # (fp16 overflow is in the gradients, and GradScaler skips it)
                 first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
                 sums[:, :2] += torch.stack([loss * len(y), (out.argmax(1) == y).sum()])
                 sums[:, 2] += len(y)
+                if gap is not None:  # (per image, as the loss: the row divides by the images)
+                    sums[:, 3] += gap.double() * len(y)
                 if args.log_every and (i + 1) % args.log_every == 0 and i + 1 < steps:
                     if proc.master:  # (rank 0's images: no collective mid-epoch; reading first_bad is the host sync)
                         check_finite(first_bad, steps, saved)
                         history.append(train_row(epoch, step, lr, sums[0], (i + 1 - row_start) * args.batch_size,
-                                                 t_row, t_start))
+                                                 t_row, t_start, args.sam))
                         if saved[0] or not args.overwrite:  # --overwrite: the old run stays whole until epoch 1 ends
                             save_atomic(out_dir / 'metrics.jsonl', history)
                         log(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
@@ -332,13 +357,14 @@ def main(argv=None):
             if proc.ddp:
                 dist.all_reduce(sums)
             check_finite(first_bad, steps, saved, distributed=proc.ddp)
-            history.append(train_row(epoch, step, lr, sums[0], (steps - row_start) * args.batch_size, t_row, t_start))
+            history.append(train_row(epoch, step, lr, sums[0], (steps - row_start) * args.batch_size, t_row, t_start,
+                                     args.sam))
             if proc.ddp:  # evaluate (and save) exactly rank 0's BatchNorm statistics on every rank
                 for buf in raw.buffers():
                     dist.broadcast(buf, 0)
             r = evaluate(scorer, *test)
             history.append({'kind': 'eval', 'epoch': epoch + 1, 'step': step, **r, 'elapsed_s': time.time() - t_start})
-            loss_sum, correct, count = sums[1].tolist()
+            loss_sum, correct, count, _ = sums[1].tolist()
             log(f'ep {epoch + 1}/{args.epochs} | train loss {loss_sum / count:.4f} acc {100 * correct / count:.2f}% | '
                 f'test loss {r["loss"]:.4f} acc {r["top1"]:.2f}% | {time.time() - t_epoch:.1f} s | '
                 f'eta {eta(t_loop, step - step0, (args.epochs - epoch - 1) * steps)}')

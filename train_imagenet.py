@@ -32,7 +32,7 @@ from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_tr
 from loader import collate_bytes, node_workers, train_transform
 from models import build_model, channels_last, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, save_atomic, written_by
-from sam import SAM, first_pass, second_pass
+from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
                    micro_batch_cap, one_line, score, setup, since_checkpoint, wrap_ddp)
 
@@ -58,7 +58,7 @@ BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
 DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=0, sam=False,
                 rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=None,
-                synthetic=False, decode='cpu')  # the same in every recipe
+                synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None)  # the same in every recipe (GSAM's None: SAM)
 RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
@@ -122,6 +122,8 @@ def get_args(argv=None):
     a('--adaptive', 'ASAM (Kwon et al. 2021)', action=argparse.BooleanOptionalAction)
     a('--sam-m', 'm-sharpness (Foret et al. Sec. 4.1): images per eps-hat, a divisor of the micro-batch; 0: the '
       "process's whole batch, as the JAX code per device (the paper: 4096 images on 64 TPU chips, m = 64)", type=int)
+    a('--gsam-alpha', 'GSAM (Zhuang et al. 2022; sam.GSAM): step along g_p - A g_perp; unset: SAM', type=float)
+    a('--rho-min', 'GSAM: rho goes with the LR from this (LR 0) to --rho (the peak LR); unset: --rho', type=float)
     a('--amp', 'autocast: auto = bf16 where the GPU has it, else off; fp16 adds a GradScaler',
       choices=['auto', 'bf16', 'fp16', 'off'])
     a('--seed', 'seed of the initial weights, data order and augmentation', type=int)
@@ -154,12 +156,14 @@ def get_args(argv=None):
                         '--eval-only')
     keys = RUN_KEYS if args.resume else EVAL_KEYS if args.eval_only else PRETRAINED_KEYS
     run = {k: v for k, v in (ckpt['args'] if author else {}).items() if k in keys}
-    loose = [f'--{k.replace("_", "-")}' for k in ('rho', 'adaptive', 'sam_m') if getattr(args, k) is not None]
+    loose = [f'--{k.replace("_", "-")}' for k in ('rho', 'adaptive', 'sam_m', 'gsam_alpha', 'rho_min')
+             if getattr(args, k) is not None]
     recipe = args.recipe or run.get('recipe') or 'sam'
     for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():  # later ones win
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     args.workers = node_workers() if args.workers is None else args.workers  # (of this node: data.node_workers)
     check_ranges(args, POSITIVE, NON_NEGATIVE, AT_MOST)  # the value as given: --lr, say, before the batch scaling
+    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho})
     if loose and not args.sam:
         raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
     if not args.data and not args.synthetic:
@@ -196,12 +200,15 @@ def accumulate(model, micro, scaler, label_smoothing, amp_dtype, share=1.0):
 
 
 def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothing=0.0, amp_dtype=None,
-               sam_m=None):
+               sam_m=None, window=None):
     """One optimizer step on a batch split into micro-batches [(x, y), ...]; returns the (first pass's) mean loss.
     SAM (Foret et al. Alg. 1): the first pass accumulates g with no all-reduce (m-sharpness: each replica its own
     eps-hat, as the official JAX code), perturbs once, and the second pass accumulates g_SAM, which is clipped.
     sam_m below the process's batch: m-sharpness in groups of sam_m images (each dividing a micro-batch), each
-    group its own eps-hat from its own first pass; the groups' g_SAM averaged, all-reduced once (sam.py)."""
+    group its own eps-hat from its own first pass; the groups' g_SAM averaged, all-reduced once (sam.py).
+    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (sam.GSAM). window: a (2,)
+    tensor on the device, += (the loss, the surrogate gap f_p - f of SAM/GSAM), read only at the log row."""
+    gsam, loss_p = isinstance(optimizer, GSAM), 0.0
     groups = [(xg, yg) for x, y in micro for xg, yg in zip(x.split(sam_m), y.split(sam_m))] if sam and sam_m else []
     if len(groups) > 1 and sam_m < sum(len(x) for x, _ in micro):
         loss = 0.0
@@ -209,18 +216,23 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
             with first_pass(model):  # a clean gradient of this group alone
                 loss += accumulate(model, [group], scaler, label_smoothing, amp_dtype) / len(groups)
             optimizer.first_step(zero_grad=True)  # w <- w + eps_hat_j; .grad <- the groups' g_SAM so far
-            with second_pass(model, sync=j == len(groups) - 1):  # DDP: one all-reduce, on the last backward
-                accumulate(model, [group], scaler, label_smoothing, amp_dtype, share=1 / len(groups))
+            with second_pass(model, sync=j == len(groups) - 1 and not gsam):  # DDP: one all-reduce (GSAM: below)
+                loss_p += accumulate(model, [group], scaler, label_smoothing, amp_dtype, share=1 / len(groups)) \
+                    / len(groups)
             if j < len(groups) - 1:
                 optimizer.next_group()  # w restored exactly; the g_SAM sum set aside
     elif sam:
         with first_pass(model):
             loss = accumulate(model, micro, scaler, label_smoothing, amp_dtype)
         optimizer.first_step(zero_grad=True)  # climb to w + eps_hat
-        with second_pass(model):  # BatchNorm running stats come from the first pass only
-            accumulate(model, micro, scaler, label_smoothing, amp_dtype)  # g_SAM, averaged over replicas
+        with second_pass(model, sync=not gsam):  # BatchNorm running stats come from the first pass only
+            loss_p = accumulate(model, micro, scaler, label_smoothing, amp_dtype)  # g_SAM, averaged over replicas
     else:
         loss = accumulate(model, micro, scaler, label_smoothing, amp_dtype)
+    if gsam:
+        optimizer.gsam_gradient(all_reduce=dist.is_initialized())  # g_p - alpha g_perp, mean over groups, replicas
+    if window is not None:
+        window += torch.stack([loss, loss_p - loss if sam else torch.zeros_like(loss)])
     if clip_grad > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
@@ -307,13 +319,17 @@ def split_batch(args, world):
     return per_step, k, m
 
 
-def make_optimizer(args, model):
+def make_optimizer(args, model, steps):
     """AdamW or SGD, SAM-wrapped with --sam; weight decay only on matrices and conv kernels, as timm."""
     groups = [dict(params=[], weight_decay=args.wd), dict(params=[], weight_decay=0.0)]
     for name, p in model.named_parameters():
         groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
     base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
         (torch.optim.SGD, dict(momentum=0.9))
+    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # GSAM; rho_t: peak LR .. end LR
+        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=args.lr,
+                    lr_min=lr_at(args.epochs * steps, args.lr, args.sched, args.warmup_steps, args.epochs, steps),
+                    adaptive=args.adaptive, lr=args.lr, **base_kw)
     return (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
             else base(groups, lr=args.lr, **base_kw))
 
@@ -376,7 +392,7 @@ def main(argv=None):
     # 0's evolve alike either way, and the epoch-end broadcast below gives the evaluation rank 0's (as saved)
     train_model = wrap_ddp(model, proc, broadcast_buffers=False)
     train_model = torch.compile(train_model) if args.compile else train_model  # DDP overlaps buckets with backward
-    optimizer = make_optimizer(args, model)
+    optimizer = make_optimizer(args, model, sampler.steps)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
     steps = sampler.steps
     step, history = resume(args, model, optimizer, scaler, steps, log) if args.resume else (0, [])
@@ -398,7 +414,7 @@ def main(argv=None):
             sampler.set_epoch(epoch)
             sampler.start = start
             t_epoch = t_window = time.time()
-            window, n_window, epoch_loss = torch.zeros((), device=device), 0, 0.0  # loss sum, steps
+            window, n_window, epoch_loss = torch.zeros(2, device=device), 0, 0.0  # loss sum, gap sum; steps
             train_model.train()
             batches = train_loader if args.synthetic else on_device(train_loader, mean, std, fmt)
             for micro in itertools.islice(zip(*[iter(batches)] * k), min(stop - step, steps - start)):  # k at a time
@@ -409,16 +425,19 @@ def main(argv=None):
                 for group in optimizer.param_groups:
                     group['lr'] = lr
                 loss = train_step(train_model, optimizer, scaler, micro, sam=args.sam, clip_grad=args.clip_grad,
-                                  label_smoothing=args.label_smoothing, amp_dtype=proc.amp_dtype, sam_m=m)
-                step, n_window, window = step + 1, n_window + 1, window + loss
+                                  label_smoothing=args.label_smoothing, amp_dtype=proc.amp_dtype, sam_m=m,
+                                  window=window)  # (+= the loss and, SAM/GSAM, the surrogate gap, on the device)
+                step, n_window = step + 1, n_window + 1
                 first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
                 if (args.log_every and step % args.log_every == 0) or step % steps == 0:  # a train row
                     check_finite(first_bad, steps, saved, 'step', distributed)
                     if distributed:
                         dist.all_reduce(window)
-                    history.append(row := dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=window.item()
-                                               / world / n_window, img_per_s=args.batch_size * n_window
-                                               / (time.time() - t_window), elapsed_s=time.time() - t_start))
+                    (loss_sum, gap_sum), n = window.tolist(), world * n_window  # gap: SAM/GSAM's f_p - f
+                    history.append(row := dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=loss_sum / n,
+                                               **({'surrogate_gap': gap_sum / n} if args.sam else {}),
+                                               img_per_s=args.batch_size * n_window / (time.time() - t_window),
+                                               elapsed_s=time.time() - t_start))
                     epoch_loss += row['loss'] * n_window
                     if step % steps:  # (at the epoch's end the epoch line and save_run follow)
                         log(f'ep {epoch + 1}/{args.epochs} step {step - epoch * steps}/{steps} | loss '
@@ -426,7 +445,7 @@ def main(argv=None):
                             f'{eta(t_loop, step - step0, total - step)}')
                         if master and (saved[0] or not args.overwrite):  # --overwrite: the old run stays whole
                             save_atomic(Path(args.out, 'metrics.jsonl'), history)  # until this one's first save
-                    window, n_window, t_window = torch.zeros((), device=device), 0, time.time()
+                    window, n_window, t_window = torch.zeros(2, device=device), 0, time.time()
                 if args.save_every and step % args.save_every == 0 and step % steps:  # mid-epoch checkpoint
                     check_finite(first_bad, steps, saved, 'step', distributed)
                     if master:

@@ -21,10 +21,11 @@ LIBRARY = {'utils': {'runs', 'data', 'models', 'figures', 'loader'}, 'runs': {'d
            'figures': {'data', 'models'}}
 # (module: the library modules it may NOT import: utils < runs < data < models, utils < loader < data, runs < figures;
 # no cycles)
-SCRIPTS = {'train_cifar': 420, 'train_imagenet': 450, 'train_contrastive': 575, 'geometry': 750, 'robustness': 635,
+SCRIPTS = {'train_cifar': 420, 'train_imagenet': 470, 'train_contrastive': 575, 'geometry': 750, 'robustness': 635,
            'bench': 390, 'gpu_check': 520}  # lines: the reading targets; "a little over is fine where the code earns it": 5%
 # (geometry +50, robustness +35, bench +5: issue 34's input checks, each for a new user's case that ended in a
 # traceback or a wrong result; the shared rules went to utils / models / runs)
+# (train_imagenet 450 -> 470, bench 320 -> 322: GSAM's flags, step and gap, issue 35; both files sat at their limit)
 OUTSIDE = {'torch', 'torchvision', 'einops', 'numpy'}  # what a leaf may import, besides the standard library
 
 
