@@ -270,7 +270,8 @@ def test_save_atomic_makes_the_file_durable_before_it_takes_the_final_name(name,
     events = []
     fsync, replace = os.fsync, os.replace
     monkeypatch.setattr(runs.os, 'fsync', lambda fd: events.append(('fsync', os.fstat(fd).st_size)) or fsync(fd))
-    monkeypatch.setattr(runs.os, 'replace', lambda a, b: events.append(('replace', os.path.getsize(a))) or replace(a, b))
+    monkeypatch.setattr(runs.os, 'replace',
+                        lambda a, b: events.append(('replace', os.path.getsize(a))) or replace(a, b))
     runs.save_atomic(tmp_path / name, obj)
     size = (tmp_path / name).stat().st_size
     assert size > 0 and events == [('fsync', size), ('replace', size)]
