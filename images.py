@@ -34,8 +34,7 @@ def load_rgb(path):
 def unreadable_reason(e):
     """Why an image could not be read, from the type of the exception load_rgb raised (not from its text)."""
     if isinstance(e, Image.DecompressionBombError):
-        return (f"it has more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels, PIL's decompression-bomb limit; shrink it "
-                'or remove it')
+        return f"it has more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels, PIL's decompression-bomb limit"
     return str(e) if isinstance(e, UnsupportedImage) else f'corrupt or truncated: {one_line(e)}'
 
 
