@@ -4,7 +4,7 @@ the one-line reason a file could not be read, named from the exception's type.""
 import numpy as np
 from PIL import Image
 
-from utils import UserError, one_line
+from utils import UserError
 
 
 class UnsupportedImage(ValueError):
@@ -35,7 +35,7 @@ def unreadable_reason(e):
     """Why an image could not be read, from the type of the exception load_rgb raised (not from its text)."""
     if isinstance(e, Image.DecompressionBombError):
         return f"it has more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels, PIL's decompression-bomb limit"
-    return str(e) if isinstance(e, UnsupportedImage) else f'corrupt or truncated: {one_line(e)}'
+    return str(e) if isinstance(e, UnsupportedImage) else 'corrupt or truncated'  # (PIL's text repeats the path)
 
 
 def reread_reason(path):

@@ -341,3 +341,16 @@ def test_a_decompression_bomb_or_16_bit_image_in_an_image_folder(cifar10_dir, tm
                                                           32), batch_size=8, num_workers=1)
     with pytest.raises(data.UserError, match=r"cannot decode the image .*zz_bomb.png \(it has more than"):
         list(data.on_device(loader, torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)))
+
+
+def test_an_image_of_32_bit_or_float_pixels_is_refused_naming_its_mode(tmp_path):
+    """PIL's convert('RGB') of a mode I or F image clips it to 0..255 whatever its range: no known 8-bit reading."""
+    import images
+    from PIL import Image
+    Image.fromarray(np.full((8, 8), 0.5, dtype=np.float32)).save(tmp_path / 'f.tiff')
+    with pytest.raises(images.UnsupportedImage) as e:
+        images.load_rgb(tmp_path / 'f.tiff')
+    assert images.unreadable_reason(e.value) == ('F mode (float) pixels of no known range; save it with 8 or 16 bits '
+                                                 'per channel')
+    Image.fromarray(np.full((8, 8), 200, dtype=np.uint8)).save(tmp_path / 'l.png')  # 8-bit: PIL's own reading
+    assert np.asarray(images.load_rgb(tmp_path / 'l.png')).tolist() == np.full((8, 8, 3), 200).tolist()
