@@ -261,7 +261,7 @@ class MoCo(nn.Module):
             pk.copy_(pk * m + pq * (1 - m))
 
 
-def lr_at(t, args):  # main_moco.py adjust_learning_rate at t epochs (fractional); the loop: t mid-step (below)
+def lr_at(t, args):  # main_moco.py adjust_learning_rate at t epochs; the loop takes t mid-step (README dev. 5)
     if t < args.warmup_epochs:
         return args.lr * t / args.warmup_epochs
     return args.lr * 0.5 * (1 + math.cos(math.pi * (t - args.warmup_epochs) / (args.epochs - args.warmup_epochs)))
@@ -494,8 +494,7 @@ def main(argv=None):
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sums: since the last row, this epoch
             moco.train()
             for i in range(steps):
-                lr = lr_at(epoch + (i + 0.5) / steps, args)  # deviation: main_moco.py's t is the step's start,
-                # which gives a warm-up's first step LR 0 (a one-step run trained nothing)
+                lr = lr_at(epoch + (i + 0.5) / steps, args)  # mid-step: main_moco.py's start gave a warm-up LR 0
                 for group in opt.param_groups:
                     group['lr'] = lr
                 x = decoded_images(next(loader), data['train']).to(device, non_blocking=True) if loader else \
