@@ -31,6 +31,7 @@ depends on it: the affine grid is float64, sharpness's blur a box sum, gaussian_
 import contextlib
 import functools
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -307,7 +308,13 @@ class Augment:
         return torch.rand(*shape, generator=self.generator, device=self.mean.device, dtype=dtype)
 
     def __call__(self, x_u8):
+        if not (isinstance(x_u8, torch.Tensor) and x_u8.dtype == torch.uint8 and x_u8.ndim == 4 and x_u8.shape[1] == 3):
+            # float images in [0, 1] would be read as levels 0..1 of 255; an HWC or 1-channel batch fails deep inside
+            got = f'{x_u8.dtype} {tuple(x_u8.shape)}' if isinstance(x_u8, torch.Tensor) else type(x_u8).__name__
+            raise ValueError(f'augment expects a uint8 batch (B, 3, H, W) of levels 0..255, got {got}')
         B, _, H, W = x_u8.shape
+        if self.aug == 'strong' and H != W:  # (the square crop of RandomResizedCrop(ratio=(1, 1)) and its resize)
+            raise ValueError(f"aug='strong' takes square images only, got {H}x{W} px")
         if self.aug == 'basic':
             dy, dx = torch.randint(0, 9, (2, B), generator=self.generator, device=x_u8.device)
             return normalize(pad_crop_flip(x_u8, dy, dx, self.rand(B) < 0.5), self.mean, self.std)
@@ -352,5 +359,22 @@ def make_augment(*, aug='strong', scale=1.0, randaug_n=2, randaug_m=12, jitter=0
     locuslab/convmixer-cifar10 README run; aug='basic' ignores the other settings."""
     if aug not in ('strong', 'basic'):
         raise ValueError(f"aug must be 'strong' or 'basic', got {aug!r}")
+    check_settings(scale=scale, randaug_n=randaug_n, randaug_m=randaug_m, jitter=jitter, reprob=reprob, seed=seed)
     return Augment(aug=aug, scale=scale, randaug_n=randaug_n, randaug_m=randaug_m, jitter=jitter,
                    reprob=reprob, mean=mean, std=std, device=device, seed=seed)
+
+
+def check_settings(*, scale, randaug_n, randaug_m, jitter, reprob, seed):
+    """make_augment's settings, each of its type and range (as torchvision's transforms refuse them): a negative or
+    NaN value would run silently, randaug_m 31 fail only at the first call."""
+    integer = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    for name, value, ok, rule in (
+            ('scale', scale, real(scale) and 0 < scale <= 1, 'a number in (0, 1]: the smallest crop area'),
+            ('randaug_n', randaug_n, integer(randaug_n) and randaug_n >= 0, 'an integer >= 0'),
+            ('randaug_m', randaug_m, integer(randaug_m) and 0 <= randaug_m <= 30, 'an integer 0..30'),
+            ('jitter', jitter, real(jitter) and jitter >= 0, 'a finite number >= 0'),
+            ('reprob', reprob, real(reprob) and 0 <= reprob <= 1, 'a probability in [0, 1]'),
+            ('seed', seed, integer(seed), 'an integer')):
+        if not ok:
+            raise ValueError(f'{name} must be {rule}, got {value!r}')

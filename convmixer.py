@@ -16,6 +16,8 @@ so a timm state_dict (or our checkpoint's 'model') loads with plain `model.load_
 `from_locuslab(sd)` converts locuslab's released files. `python convmixer.py` prints every
 config's parameter count.
 """
+import numbers
+
 import torch
 import torch.nn as nn
 
@@ -62,6 +64,11 @@ class ConvMixer(nn.Module):
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
             # 0 is the documented headless model; a negative count used to build one silently
             raise ValueError(f'num_classes must be an integer >= 0 (0: no head), got {num_classes!r}')
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real):
+            raise ValueError(f'dropout must be a number (a probability in [0, 1)), got {type(dropout).__name__} '
+                             f'{dropout!r}')
+        if not 0 <= dropout < 1:  # p = 1 drops every pooled feature: the head sees zeros (as vit.py, mixer.py)
+            raise ValueError(f'dropout must be a probability in [0, 1), got {dropout!r}')
         if activation not in ('gelu', 'relu'):
             raise ValueError(f"activation must be one of ('gelu', 'relu'), got {activation!r}")
         act = {'gelu': nn.GELU, 'relu': nn.ReLU}[activation]
@@ -86,12 +93,16 @@ class ConvMixer(nn.Module):
                 nn.BatchNorm2d(dim),
             ) for _ in range(depth)
         ])
-        self.head_drop = nn.Dropout(dropout)
+        self.head_drop = nn.Dropout(float(dropout))
         self.head = nn.Linear(dim, num_classes) if num_classes > 0 else nn.Identity()
         # Initialisation: PyTorch defaults, as in the official code (locuslab/convmixer), which
         # sets no init of its own.
 
     def forward_features(self, x):  # (B, 3, H, W) -> (B, h, H/p, W/p)
+        if x.ndim != 4 or x.shape[1] != self.stem[0].in_channels:  # (a shape: no host sync) Conv2d would take
+            # an unbatched (3, H, W) image as a batch of 3
+            raise ValueError(f'expected a batch of images (B, {self.stem[0].in_channels}, H, W), got shape '
+                             f'{tuple(x.shape)}')
         if min(x.shape[-2:]) < self.patch_size:  # (a shape: no host sync) the stem conv would fail cryptically
             raise ValueError(f'input of {x.shape[-2]}x{x.shape[-1]} px is smaller than one {self.patch_size} px '
                              'patch: a ConvMixer needs at least one whole patch')

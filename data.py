@@ -12,10 +12,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 from torchvision.transforms import v2
 
 from augment import normalize
+from images import UNREADABLE, check_decoded, load_rgb, reread_reason, unreadable_reason
 from loader import decode_batch, seeded
 from utils import UserError, epoch_seed, one_line, score
 
@@ -27,10 +28,10 @@ MEAN = {'cifar10': (0.4914, 0.4822, 0.4465), 'cifar100': (0.5071, 0.4865, 0.4409
 STD = {'cifar10': (0.2471, 0.2435, 0.2616), 'cifar100': (0.2673, 0.2564, 0.2762)}
 
 
-def load_cifar(root, dataset, train, subset=0, classes=None):
+def load_cifar(root, dataset, train, subset=0, classes=None, classes_flag=None):
     """uint8 images (N, 3, 32, 32), int64 labels (N,): from an image folder root/{train,test}/<class>/*, else
     from torchvision's CIFAR folder in root (downloaded when absent). subset: the first subset/C per class.
-    classes: only these, relabelled 0..k-1 in this order."""
+    classes: only these, relabelled 0..k-1 in this order. classes_flag: the caller's flag that picks them, if any."""
     root, num_classes, split = Path(root), NUM_CLASSES[dataset], 'train' if train else 'test'
     if not ((root / 'train').is_dir() and (root / 'test').is_dir()):
         cls = {'cifar10': torchvision.datasets.CIFAR10, 'cifar100': torchvision.datasets.CIFAR100}[dataset]
@@ -53,7 +54,7 @@ def load_cifar(root, dataset, train, subset=0, classes=None):
     train_classes = torchvision.datasets.folder.find_classes(root / 'train')[0]
     if ds.classes == train_classes and len(ds.classes) != num_classes:
         raise UserError(f'{root / split} has {len(ds.classes)} class folders, {dataset} has {num_classes}: --data '
-                        f'must hold all {num_classes} (--classes picks some of them)')
+                        f'must hold all {num_classes}' + (f' ({classes_flag} picks some)' if classes_flag else ''))
     if ds.classes != train_classes:
         raise UserError(f'{root / split} must hold the {num_classes} class folders of {root / "train"}; only in '
                         f'{split}: {sorted(set(ds.classes) - set(train_classes))}, only in train: '
@@ -63,9 +64,9 @@ def load_cifar(root, dataset, train, subset=0, classes=None):
     x = []
     for path, _ in (ds.samples[i] for i in keep):  # ~30 us per 32x32 image
         try:
-            x.append(np.asarray(ds.loader(path)))  # PIL, as RGB
-        except (OSError, SyntaxError, ValueError) as e:  # unreadable, truncated, a broken PNG
-            raise UserError(f'cannot decode {path}: {e}')
+            x.append(np.asarray(load_rgb(path)))  # PIL, as RGB
+        except UNREADABLE as e:  # unreadable, truncated, a broken PNG, a decompression bomb, 32-bit pixels
+            raise UserError(f'cannot decode {path}: {unreadable_reason(e)}')
         if x[-1].shape != (32, 32, 3):
             raise UserError(f'{path} is {x[-1].shape[1]}x{x[-1].shape[0]} px; CIFAR images are 32x32')
     return torch.from_numpy(np.stack(x)).permute(0, 3, 1, 2).contiguous(), relabel(labels[keep], classes)
@@ -109,10 +110,13 @@ def measurement_images(root, dataset, train, n, img_size, norm='jax', classes=No
         folder = os.path.join(root, 'train' if train else 'val')
         if not os.path.isdir(folder):
             raise UserError(f'{folder} is not a folder; {LAYOUT}')
-        ds = torchvision.datasets.ImageFolder(folder, eval_transform(img_size, crop_pct, interp, norm))
+        ds = torchvision.datasets.ImageFolder(folder, eval_transform(img_size, crop_pct, interp, norm), loader=load_rgb)
         pick = torch.linspace(0, len(ds) - 1, min(n, len(ds))).long()  # only this process's images are read
-        x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1]))
-                                      for i in pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]]))
+        try:
+            x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1]))
+                                          for i in pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]]))
+        except UNREADABLE as e:
+            raise UserError(f'cannot decode an image of {folder}: {unreadable_reason(e)}')
         return x, y, (x - x.min()) / (x.max() - x.min()), len(pick)  # the network's input, for the figures
     u8, y = load_cifar(root, dataset, train, n, classes)
     part = slice(len(y) * rank // world, len(y) * (rank + 1) // world)
@@ -145,7 +149,7 @@ class ImageFolder(torchvision.datasets.ImageFolder):
 
     def __init__(self, root, split, transform, img_size, decode='cpu'):
         try:
-            super().__init__(os.path.join(root, split), transform=transform)
+            super().__init__(os.path.join(root, split), transform=transform, loader=load_rgb)
         except (FileNotFoundError, NotADirectoryError, RuntimeError) as e:  # none, a file, no class folders, empty
             raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
         self.img_size, self.decode = img_size, decode
@@ -157,7 +161,7 @@ class ImageFolder(torchvision.datasets.ImageFolder):
         try:
             with seeded(seed):
                 return super().__getitem__(index)
-        except (OSError, ValueError):  # PIL: cannot identify image file, image file is truncated, ...
+        except UNREADABLE:  # PIL: cannot identify image file, image file is truncated, a decompression bomb, ...
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), -1 - index
 
 
@@ -168,9 +172,8 @@ def on_device(loader, mean, std, fmt=torch.preserve_format):
     for x, y, *rest in loader:
         if rest:  # bytes, labels, byte counts, seeds, indices
             x = decode_batch(x, *rest, loader.dataset, mean.device)
-        elif (y < 0).any():
-            raise UserError(f'cannot decode the image {loader.dataset.samples[-1 - int(y.min())][0]} (corrupt or '
-                            'truncated); replace or delete it')
+        else:
+            check_decoded(loader.dataset, y)
         x = normalize(x.to(mean.device, non_blocking=True), mean, std)
         yield x.contiguous(memory_format=fmt), y.to(mean.device, non_blocking=True)
 
@@ -235,8 +238,8 @@ class Samples(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         try:  # only decoding: an error of the transform (e.g. an impossible resize) is not the file's
-            image = default_loader(self.samples[i][0])
-        except (OSError, ValueError):  # PIL: cannot identify image file, truncated, ...
+            image = load_rgb(self.samples[i][0])
+        except UNREADABLE:  # PIL: cannot identify image file, truncated, a decompression bomb, ...
             return torch.zeros(3, *self.size, dtype=torch.uint8), -1, i
         return self.transform(image), self.samples[i][1], i
 
@@ -247,6 +250,7 @@ def folder_batches(samples, transform, batch_size, workers, rank, world):
     loader = torch.utils.data.DataLoader(data, batch_size, num_workers=workers, pin_memory=torch.cuda.is_available())
     for x, y, i in loader:
         if (y < 0).any():  # still on the CPU: no host sync
-            raise UserError(f'cannot decode {samples[int(i[y < 0][0])][0]} (corrupt or truncated); '
-                            'replace or delete it')
+            path = samples[int(i[y < 0][0])][0]
+            raise UserError(f'cannot decode {path} ({reread_reason(path)}); replace or delete it')
         yield x, y, i
+

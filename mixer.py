@@ -18,6 +18,7 @@ plain `model.load_state_dict(sd)`; `load_npz(path)` converts the official JAX .n
 `python mixer.py` prints every config's parameter count.
 """
 import math
+import numbers
 
 import torch
 import torch.nn as nn
@@ -129,8 +130,12 @@ class MlpMixer(nn.Module):
         if gelu not in ('exact', 'tanh'):
             raise ValueError(f"gelu must be one of ('exact', 'tanh'), got {gelu!r}")
         for name, value in (('dropout', dropout), ('drop_path', drop_path)):  # keep probabilities 1 - p > 0
-            if not isinstance(value, (int, float)) or not 0 <= value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f'{name} must be a number (a probability in [0, 1)), got {type(value).__name__} '
+                                 f'{value!r}')
+            if not 0 <= value < 1:
                 raise ValueError(f'{name} must be a probability in [0, 1), got {value!r}')
+        dropout, drop_path = float(dropout), float(drop_path)  # (numpy's floats too)
         self.num_classes, self.img_size = num_classes, img_size
         num_tokens = (img_size // patch_size) ** 2  # S
 
@@ -157,6 +162,9 @@ class MlpMixer(nn.Module):
                 m.reset_parameters()  # scale 1, bias 0
 
     def forward_features(self, x):  # (B, 3, H, W) -> (B, S, C)
+        if x.ndim != 4 or x.shape[1] != self.stem.proj.in_channels:  # (a shape: no host sync)
+            raise ValueError(f'expected a batch of images (B, {self.stem.proj.in_channels}, H, W), got shape '
+                             f'{tuple(x.shape)}')
         if x.shape[-1] != self.img_size or x.shape[-2] != self.img_size:
             raise ValueError(f'this Mixer was built for {self.img_size} px input (its token-mixing '
                              f'MLP has a fixed number of tokens); got {tuple(x.shape[-2:])}')

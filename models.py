@@ -181,3 +181,51 @@ def imagenet_only(dataset, what, stored, **flags):
     if dataset != 'imagenet' and (given := [k for k, v in flags.items() if v is not None]):
         raise UserError(f'--{given[0].replace("_", "-")} only applies to ImageNet models; {what} is a {dataset} model, '
                         f"which sees its run's {stored.get('img_size') or 32} px with its data set's mean/std")
+
+
+def one_value_batchnorm(model, shape):
+    """(name, input shape) of the first BatchNorm layer that a training forward pass of a batch of `shape` would give
+    one value per channel (torch refuses to train BatchNorm on one: its variance is undefined), else None. Run on a
+    model built on the meta device: shapes only, no memory, no arithmetic."""
+    found = []
+
+    class Found(Exception):
+        pass
+
+    def check(name):
+        def pre_hook(module, inputs):
+            x = inputs[0]
+            if x.numel() // x.shape[1] <= 1:  # batch x spatial positions: the values per channel
+                found.append((name, tuple(x.shape)))
+                raise Found
+        return pre_hook
+
+    bns = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+    hooks = [m.register_forward_pre_hook(check(n)) for n, m in model.named_modules() if isinstance(m, bns)]
+    was = model.training
+    try:
+        with torch.no_grad():
+            model.train()(torch.empty(shape, device='meta'))
+    except Found:
+        pass
+    finally:
+        model.train(was)
+        for h in hooks:
+            h.remove()
+    return found[0] if found else None
+
+
+def build_on_meta(args, cifar=False, group=0, world=1):
+    """args.model built on the meta device (no memory, no arithmetic): an impossible shape is a UserError now, before
+    anything slow. group: also refuse now, not with torch's ValueError in the first step, a batch split whose training
+    forward passes of `group` images (a micro-batch, an m-sharpness group) give a BatchNorm layer one value per
+    channel. The flags named are the scripts' shared ones (--batch-size, --sam-m; --max-micro-batch where it exists)."""
+    with torch.device('meta'):
+        model = build_model(args.model, 10, args.img_size, parse_model_kw(args.model_kw), cifar=cifar)
+    if group and (bad := one_value_batchnorm(model, (group, 3, args.img_size, args.img_size))):
+        flags = [f'--batch-size {args.batch_size} on {world} process(es)'] + [
+            f'--{k.replace("_", "-")} {getattr(args, k)}' for k in ('max_micro_batch', 'sam_m')
+            if getattr(args, k, None) and (k != 'sam_m' or args.sam)]
+        raise UserError(f'{", ".join(flags)}: forward passes of {group} image(s) give BatchNorm layer {bad[0]} of '
+                        f'{args.model} at {args.img_size} px an input of {bad[1]}, one value per channel, which it '
+                        'cannot train on; use 2 or more images per pass, or a smaller patch_size or larger --img-size')

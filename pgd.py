@@ -43,6 +43,9 @@ def pgd(model, x, y, eps, alpha, steps, random_start=True, normalize=None, loss_
     random_start: True draws the start x0 + U(-eps, eps) from torch's global RNG (as torchattacks);
     False starts at x0 (FGSM's start); a tensor delta (shape of x) starts at x0 + delta, for
     reproducible starts independent of the batch (robustness.py seeds one per image)."""
+    if not isinstance(random_start, (bool, torch.Tensor)):  # the string 'no' would be truthy: a random start
+        raise TypeError(f'random_start must be True, False or a tensor, got {type(random_start).__name__} '
+                        f'{random_start!r}')
     was_training = model.training
     model.eval()
     x0 = x.detach()

@@ -112,7 +112,7 @@ def save_atomic(path, obj):
 def restore(ckpt, opt, scaler, args, not_inherited, log):
     """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags. -> (epoch, step, history)"""
     try:
-        opt.load_state_dict(ckpt['optimizer'])
+        load_optimizer_state(opt, ckpt['optimizer'])
     except (ValueError, KeyError, RuntimeError) as e:
         raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})')
     if ckpt['scaler'] and scaler.is_enabled():
@@ -134,3 +134,14 @@ def read_json(path, advice):
             return json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f'{path} cannot be read ({one_line(e)}); {advice}')
+
+
+def load_optimizer_state(opt, state):
+    """--resume: the optimizer's state (moments, step counts) from the run, its settings from this command line.
+    torch's load_state_dict restores every param-group value too (SAM's rho and adaptive, weight_decay, AdamW's
+    eps, ...): a changed flag, announced in the `changed:` line and stored in the new last.pt's args, would be
+    silently undone. The optimizer was built from this command line's flags: its group values are put back."""
+    own = [{k: v for k, v in group.items() if k != 'params'} for group in opt.param_groups]
+    opt.load_state_dict(state)
+    for group, settings in zip(opt.param_groups, own):  # (load_state_dict checked that the groups correspond)
+        group.update(settings)

@@ -89,6 +89,8 @@ def check_group(group):
             raise TypeError(f'{key} must be a real number, got {type(v).__name__} {v!r}')
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f'{key} must be a finite number >= 0, got {v}')
+    if not isinstance(group.get('adaptive', False), bool):  # first_step tests it for truth: 'no' would be ASAM
+        raise TypeError(f"adaptive must be True or False, got {type(group['adaptive']).__name__} {group['adaptive']!r}")
 
 
 class SAM(torch.optim.Optimizer):
@@ -181,6 +183,9 @@ class SAM(torch.optim.Optimizer):
         """m-sharpness, between two groups: w <- w_old exactly, and .grad (the g_sam summed over the
         groups so far) is set aside, so that the next group's first pass gives its own clean
         gradient; its first_step puts the sum back."""
+        if self.moved is None and self.set_aside is None:  # (restore() would name second_step instead)
+            raise RuntimeError('SAM.next_group() goes between two m-sharpness groups: after the first_step() '
+                               '(and the second backward pass) of one group, before the next group\'s first pass')
         self.restore()
         self.set_aside = {}
         for group in self.param_groups:
@@ -243,6 +248,9 @@ class SAM(torch.optim.Optimizer):
         return self.base_optimizer.state_dict()
 
     def load_state_dict(self, state_dict):
+        """As every torch optimizer: the saved state wins, param-group settings included (rho, adaptive, eta, lr,
+        weight_decay, ...): a SAM built with rho=0.1 holds the file's rho after loading. To continue with new
+        settings, put them into param_groups after loading (runs.load_optimizer_state does so for --resume)."""
         self.base_optimizer.load_state_dict(state_dict)
         # the base builds new group dicts on load: share them again, and give a plain
         # base-optimizer checkpoint (no SAM keys) the constructor's rho/adaptive/eta

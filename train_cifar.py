@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from augment import make_augment
 from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
-from models import build_model, channels_last, load_weights, parse_model_kw, zero_head
+from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw, zero_head
 from pgd import pgd
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
@@ -127,7 +127,7 @@ def get_args(argv=None):
     check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'img_size', 'adv_steps', 'scale'],
                  ['sam_m', 'train_subset', 'test_subset', 'log_every', 'randaug_n', 'randaug_m', 'seed', 'lr', 'wd',
                   'rho', 'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'],
-                 dict(randaug_m=30, scale=1, reprob=1, label_smoothing=1))
+                 {}, stored_in=run if written_by(ckpt) else None)  # (the shared bounds: utils.SHARED_AT_MOST)
     check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if getattr(args, k) is not None],
                  dict(rho_min=args.rho))  # (unset: plain SAM; rho_min <= rho: rho_t never exceeds --rho)
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
@@ -148,7 +148,9 @@ def get_args(argv=None):
 
 
 def lr_at(t, epochs, lr, recipe='locuslab'):
-    """The LR at t epochs: locuslab's one cycle (integer breakpoints); finetune: vit_jax's warm-up x cosine."""
+    """The LR at t epochs: locuslab's one cycle (integer breakpoints); finetune: vit_jax's warm-up x cosine.
+    The loop sets a step's LR at the step's middle, (i + 1/2) / steps. Deviation: locuslab sets it at the step's end,
+    so every run's last step had LR 0, and a run of one step trained nothing (both schedules end at 0)."""
     if recipe == 'finetune':
         warm = WARMUP * epochs
         return lr * min(1.0, t / warm) * 0.5 * (1 + math.cos(math.pi * min(max((t - warm) / (epochs - warm), 0), 1)))
@@ -174,9 +176,10 @@ def load_data(args, proc):
     """The CIFAR images on the device as uint8: (train_x, train_y) (None with --eval-only), (test_x, test_y).
     Under torchrun rank 0 reads (and downloads, if needed) first."""
     with rank_zero_first(proc):
-        test = [t.to(proc.device) for t in load_cifar(args.data, args.dataset, False, args.test_subset, args.classes)]
-        train = (None, None) if args.eval_only else \
-            [t.to(proc.device) for t in load_cifar(args.data, args.dataset, True, args.train_subset, args.classes)]
+        read = lambda train, n: [t.to(proc.device) for t in load_cifar(args.data, args.dataset, train, n, args.classes,
+                                                                         classes_flag='--classes')]
+        test = read(False, args.test_subset)
+        train = (None, None) if args.eval_only else read(True, args.train_subset)
     if not args.eval_only and len(train[1]) < args.batch_size:
         raise UserError(f'the training set has {len(train[1])} images, fewer than --batch-size {args.batch_size}')
     return (*train, *test)
@@ -271,11 +274,13 @@ def main(argv=None):
         raise UserError(f'--batch-size {args.batch_size} (global) does not divide by the world size {world}')
     batch = args.batch_size // world
     m = args.sam_m or batch  # m-sharpness: images per eps-hat (sam.py)
-    if args.sam and batch % m:
+    if args.sam and not args.eval_only and batch % m:  # (--eval-only trains nothing: training flags are unused)
         fit = max(d for d in range(1, m) if batch % d == 0)
         raise UserError(f'--sam-m {m} does not divide the {batch} images of a process (--batch-size {args.batch_size} '
                         f'/ {world}); pass a divisor of {batch}, such as {fit}')
     raw = make_model(args)  # the model first: a bad name fails at once
+    if not args.eval_only:  # BatchNorm: 2 or more values per channel in every training forward pass
+        build_on_meta(args, cifar=True, group=m if args.sam else batch, world=world)
     ckpt = read_checkpoint(args.resume, '--resume') if args.resume else None  # optimizer, scaler, history
     out_dir = prepare_out(args) if proc.master and not args.eval_only else Path(args.out)
     raw.to(device, memory_format=torch.channels_last if args.channels_last else torch.preserve_format)
@@ -325,7 +330,7 @@ def main(argv=None):
             sums = torch.zeros(2, 4, dtype=torch.float64, device=device)  # (since the last row, epoch) x
             model.train()                                                  # (loss sum, correct, images, gap sum)
             for i in range(steps):
-                lr = lr_at(epoch + (i + 1) / steps, args.epochs, args.lr, args.recipe)
+                lr = lr_at(epoch + (i + 0.5) / steps, args.epochs, args.lr, args.recipe)  # mid-step: never the final 0
                 for group in opt.param_groups:
                     group['lr'] = lr
                 idx = perm[i * args.batch_size + rank * batch:i * args.batch_size + (rank + 1) * batch]

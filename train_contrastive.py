@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import copy
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -43,16 +42,16 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
-import torchvision
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
 import augment
 import vit
-from data import MEAN, NUM_CLASSES, STD, load_cifar
+from data import MEAN, NUM_CLASSES, STD, ImageFolder, load_cifar
+from images import decoded_images
 from loader import node_workers
 from models import build_model, load_weights, parse_model_kw
-from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic
+from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group,
                    leave, one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
@@ -130,6 +129,9 @@ def get_args(argv=None):
         keep = [k for k in ckpt['args'] if k not in NOT_INHERITED] if args.resume else ARCH
         args = p.parse_args(argv, namespace=argparse.Namespace(**{k: ckpt['args'][k] for k in keep}))
         args.saved_args = ckpt['args']
+    elif author := written_by(ckpt):  # another script's last.pt: its args are of another model, recipe and data
+        raise UserError(f'{run} is a last.pt of {author}: {"continue" if args.resume else "evaluate"} it with '
+                        f'{author} {"--resume" if args.resume else "--eval-only"}')
     elif args.resume:
         raise UserError(f'--resume {run} is not a train_contrastive.py checkpoint (no {sorted(RUN_KEYS)})')
     if args.checkpoint and not args.eval_only:
@@ -137,13 +139,13 @@ def get_args(argv=None):
     if args.eval_only and args.resume:
         raise UserError('--eval-only evaluates --checkpoint PATH, not --resume')
     args.out = args.out or (str(Path(args.resume).parent) if args.resume else 'runs/contrastive')
-    args.img_size = args.img_size or (224 if args.dataset == 'imagenet' else 32)
-    args.workers = node_workers() if args.workers is None else args.workers  # (data.node_workers)
-    args.lr = args.lr or 1.5e-4 * args.batch_size / 256  # MoCo v3: base lr 1.5e-4 per 256 images
+    args.img_size = (224 if args.dataset == 'imagenet' else 32) if args.img_size is None else args.img_size
+    args.workers = node_workers() if args.workers is None else args.workers  # (loader.node_workers)
+    args.lr = 1.5e-4 * args.batch_size / 256 if args.lr is None else args.lr  # MoCo v3; a given 0 stays 0
     check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'knn_k', 'linear_epochs', 'img_size', 'proj_hidden',
                         'proj_dim', 'crop_min', 'tau', 'knn_t'],
                  ['train_subset', 'test_subset', 'linear_wd', 'log_every', 'eval_every', 'stop_after_epoch', 'workers',
-                  'warmup_epochs', 'wd', 'clip_grad', 'rho', 'lr', 'moco_m', 'seed'], dict(crop_min=1, moco_m=1))
+                  'warmup_epochs', 'wd', 'clip_grad', 'rho', 'lr', 'moco_m', 'seed'], {}, stored_in=run)
     if args.warmup_epochs > args.epochs:
         raise UserError(f'--warmup-epochs {args.warmup_epochs} exceeds --epochs {args.epochs}')
     if not args.sam and (loose := given(p, argv, 'rho', 'adaptive')):
@@ -277,7 +279,7 @@ class MoCo(nn.Module):
         get_ema_multi_avg_fn(m)(list(self.momentum_encoder.parameters()), list(self.base_encoder.parameters()), None)
 
 
-def lr_at(t, args):  # main_moco.py adjust_learning_rate at t epochs (fractional)
+def lr_at(t, args):  # main_moco.py adjust_learning_rate at t epochs; the loop takes t mid-step (README dev. 5)
     if t < args.warmup_epochs:
         return args.lr * t / args.warmup_epochs
     return args.lr * 0.5 * (1 + math.cos(math.pi * (t - args.warmup_epochs) / (args.epochs - args.warmup_epochs)))
@@ -298,14 +300,12 @@ def load_data(args, device, rank=0, world=1):
                     test=test_x.to(device), test_y=test_y.to(device), classes=NUM_CLASSES[args.dataset],
                     norm=(MEAN[args.dataset], STD[args.dataset]))
     side, sets = round(args.img_size / 0.875), {}  # 256 for 224
-    for split in ('train', 'val'):
-        try:
-            sets[split] = torchvision.datasets.ImageFolder(os.path.join(args.data, split))
-        except (FileNotFoundError, RuntimeError) as e:
-            raise UserError(f'--data {args.data}: {e}; expected DIR/train/<class>/*.JPEG and DIR/val/<class>/*.JPEG')
+    for split in ('train', 'val'):  # data.ImageFolder: an unreadable image comes back with a label < 0 (check_decoded)
+        sets[split] = ImageFolder(args.data, split, None, side if split == 'train' else args.img_size)
     if sets['train'].classes != sets['val'].classes:
         raise UserError(f'--data {args.data}: train and val have different class folders')
     train_eval, test = copy.copy(sets['train']), sets['val']
+    train_eval.img_size = args.img_size  # (the side of its blank stand-in for an unreadable image)
     sets['train'].transform = v2.Compose([v2.Resize(side), v2.CenterCrop(side), v2.PILToTensor()])
     train_eval.transform = test.transform = v2.Compose([v2.Resize(side), v2.CenterCrop(args.img_size),
                                                         v2.PILToTensor()])
@@ -330,8 +330,8 @@ def features(backbone, images, lo, hi, args, autocast, mean, std):
     backbone.eval()
     if isinstance(images, torch.Tensor):
         batches = (images[s:min(s + args.eval_batch_size, hi)] for s in range(lo, hi, args.eval_batch_size))
-    else:  # load_data's loader of rows lo..hi-1
-        batches = (x for x, _ in images)
+    else:  # load_data's loader of rows lo..hi-1; an unreadable image is named (images.check_decoded)
+        batches = (decoded_images(batch, images.dataset) for batch in images)
     out = [torch.zeros(0, backbone.pos_embed.shape[-1], device=mean.device)]
     for x in batches:
         with autocast:
@@ -520,10 +520,10 @@ def main(argv=None):
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sums: since the last row, this epoch
             moco.train()
             for i in range(steps):
-                lr = lr_at(epoch + i / steps, args)
+                lr = lr_at(epoch + (i + 0.5) / steps, args)  # mid-step: main_moco.py's start gave a warm-up LR 0
                 for group in opt.param_groups:
                     group['lr'] = lr
-                x = next(loader)[0].to(device, non_blocking=True) if loader else \
+                x = decoded_images(next(loader), data['train'].dataset).to(device, non_blocking=True) if loader else \
                     data['train'][perm[i * B + rank * b:i * B + (rank + 1) * b]]  # rank r's slice of global batch i
                 x1, x2 = (moco_view(x, gen, B, rank * b, (rank + 1) * b, v, args.img_size, args.crop_min, mean, std)
                           for v in (0, 1))

@@ -30,8 +30,8 @@ from torchvision.transforms import v2
 from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform, on_device
 from loader import collate_bytes, node_workers, train_transform
-from models import build_model, channels_last, load_weights, parse_model_kw
-from runs import discard_new_dirs, prepare_out, read_checkpoint, save_atomic, written_by
+from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
+from runs import discard_new_dirs, load_optimizer_state, prepare_out, read_checkpoint, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
                    micro_batch_cap, one_line, score, setup, since_checkpoint, wrap_ddp)
@@ -65,8 +65,7 @@ PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of o
 POSITIVE = ['epochs', 'batch_size', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct', 'eval_batch_size']
 NON_NEGATIVE = ['accum_steps', 'max_micro_batch', 'sam_m', 'workers', 'warmup_steps', 'wd', 'clip_grad', 'rho',
                 'label_smoothing', 'randaug_n', 'randaug_m', 'mixup', 'cutmix', 'reprob', 'log_every', 'save_every',
-                'max_steps', 'seed']
-AT_MOST = dict(crop_min=1, crop_pct=1, label_smoothing=1, reprob=1, randaug_m=30)
+                'max_steps', 'seed']  # (max_micro_batch 0: derived from the GPU, utils.micro_batch_cap)
 
 
 def flag(p, name, help, **kw):  # p.add_argument, with the default (or each recipe's) appended to the help
@@ -161,15 +160,15 @@ def get_args(argv=None):
     recipe = args.recipe or run.get('recipe') or 'sam'
     for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():  # later ones win
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    args.workers = node_workers() if args.workers is None else args.workers  # (of this node: data.node_workers)
-    check_ranges(args, POSITIVE, NON_NEGATIVE, AT_MOST)  # the value as given: --lr, say, before the batch scaling
+    args.workers = node_workers() if args.workers is None else args.workers  # (of this node: loader.node_workers)
+    check_ranges(args, POSITIVE, NON_NEGATIVE, {}, stored_in=source if author else None)  # (bounds: utils)
     check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho})
     if loose and not args.sam:
         raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
-    if not args.data and not args.synthetic:
-        raise UserError(f'give --data DIR ({LAYOUT}), or --synthetic')
-    with torch.device('meta'):  # every impossible model shape now, before anything slow (no memory used)
-        build_model(args.model, 1000, args.img_size, parse_model_kw(args.model_kw))  # (models.py)
+    if not (args.data or args.synthetic) or (args.synthetic and args.eval_only):  # (FakeData: made-up labels)
+        raise UserError('--eval-only needs --data DIR: --synthetic has no validation set' if args.synthetic else
+                        f'give --data DIR ({LAYOUT}), or --synthetic')
+    build_on_meta(args)  # every impossible model shape now, before anything slow (models.py)
     return args
 
 
@@ -244,7 +243,7 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
 
 def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):  # the LR of optimizer step `step` (0-based)
     if sched == 'onecycle':  # locuslab's, as train_cifar.py runs it (t in epochs)
-        t = (step + 1) / steps_per_epoch  # in epochs; integer breakpoints, as train_cifar.py
+        t = (step + 0.5) / steps_per_epoch  # in epochs, mid-step; integer breakpoints, as train_cifar.py (lr_at)
         return float(np.interp(t, [0, epochs * 2 // 5, epochs * 4 // 5, epochs], [0, peak, peak / 20, 0]))
     if step < warmup:  # linear (SAM paper), cosine (ViT fine-tuning): linear warmup, then decay to 0
         return peak * (step + 1) / warmup
@@ -344,7 +343,7 @@ def resume(args, model, optimizer, scaler, steps, log):
                         'resumed run keeps its global batch and training set')
     try:
         model.load_state_dict(ckpt['model'])
-        optimizer.load_state_dict(ckpt['optimizer'])
+        load_optimizer_state(optimizer, ckpt['optimizer'])  # this command line's rho, wd, eps, ...
     except (RuntimeError, ValueError, KeyError) as e:
         raise UserError(f'--resume {args.resume} does not fit this run: {one_line(e)}') from None
     if ckpt['scaler']:  # {} when the run had no enabled GradScaler (not fp16)
@@ -366,6 +365,7 @@ def main(argv=None):
     fmt = torch.channels_last if channels_last(args.channels_last, args.model, device) else torch.preserve_format
     if not args.eval_only:
         per_step, k, m = split_batch(args, world)
+        build_on_meta(args, group=min(per_step // k, m), world=world)  # BatchNorm: 2 or more values per channel
         args.out = args.out or (os.path.dirname(os.path.abspath(args.resume)) if args.resume else
                                 os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
         prepare_out(args, lock=master)  # (one lock: rank 0's)

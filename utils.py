@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import datetime
 import math
+import numbers
 import os
 import time
 from contextlib import nullcontext
@@ -45,10 +46,15 @@ def given(parser, argv, *dests):
     return [f'--{d.replace("_", "-")}' for d in dests if getattr(ns, d) is not marker]
 
 
-def check_ranges(args, positive, non_negative, at_most):
-    """Every flag named is a finite number, > 0 (positive) or >= 0, and at most at_most[flag] where given."""
+def check_ranges(args, positive, non_negative, at_most, stored_in=None):
+    """Every flag named is a finite number, > 0 (positive) or >= 0, and at most at_most[flag] or SHARED_AT_MOST[flag]
+    where given. stored_in: the checkpoint whose stored args filled some flags (a non-number can only come from it)."""
+    at_most = {**SHARED_AT_MOST, **at_most}
     for key in positive + non_negative:
         v, most = getattr(args, key), at_most.get(key, math.inf)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise UserError(f'--{key.replace("_", "-")} must be a number, got {v!r}' + (
+                f' (from the args stored in {stored_in}: a damaged or hand-edited file)' if stored_in else ''))
         if not (math.isfinite(v) and (v > 0 if key in positive else v >= 0) and v <= most):
             raise UserError(f'--{key.replace("_", "-")} must be a finite number {"> 0" if key in positive else ">= 0"}'
                             + (f' and <= {most}' if key in at_most else '') + f', got {v}')
@@ -189,18 +195,21 @@ def eta(t_loop, done, left):  # time left at the pace since t_loop: `done` steps
 
 
 # ----- Rules several scripts share, one place each (issue 34): the range of a flag of the same name, and which
-# flags act only with another. A script passes the names it has; unset (None) flags are skipped.
-SHARED_RANGES = {  # flag: (strictly positive?, at most)
-    'img_size': (True, math.inf), 'crop_pct': (True, 1),  # crop_pct: a fraction (img_size / crop_pct is resized)
-    'seed': (False, 2 ** 64 - 1),  # torch.manual_seed takes values below 2**64; numpy's SeedSequence none below 0
-}
+# flags act only with another. The upper bounds of flags that mean the same in every script (check_ranges applies
+# them wherever the flag is checked): torch.manual_seed takes seeds below 2**64 (a sampler adds the epoch: 2**63
+# leaves room); probabilities and fractions are at most 1; RandAugment has 31 magnitude bins (0..30); an image side
+# above 1024 px is no experiment of this repo and would ask for gigabytes per batch (a CIFAR batch of 50 upsampled
+# to 2048 px is 2.5 GB).
+SHARED_AT_MOST = dict(seed=2 ** 63 - 1, img_size=1024, randaug_m=30, scale=1, crop_min=1, crop_pct=1, reprob=1,
+                      label_smoothing=1, moco_m=1)
+SHARED_POSITIVE = {'img_size', 'crop_pct'}  # (crop_pct: a fraction; img_size / crop_pct is resized)
 
 
 def check_shared_ranges(args, *keys):
-    """check_ranges for the flags in keys by SHARED_RANGES' rule, those set (not None) only."""
+    """check_ranges for the flags in keys, those set (not None) only: > 0 for SHARED_POSITIVE, else >= 0, and at
+    most SHARED_AT_MOST. For scripts whose flags may be unset (taken from a checkpoint later)."""
     keys = [k for k in keys if getattr(args, k, None) is not None]
-    check_ranges(args, [k for k in keys if SHARED_RANGES[k][0]], [k for k in keys if not SHARED_RANGES[k][0]],
-                 {k: SHARED_RANGES[k][1] for k in keys if SHARED_RANGES[k][1] != math.inf})
+    check_ranges(args, [k for k in keys if k in SHARED_POSITIVE], [k for k in keys if k not in SHARED_POSITIVE], {})
 
 
 def refuse_loose(parser, argv, rules):

@@ -11,6 +11,7 @@ State-dict keys equal timm's `VisionTransformer`, so a timm state_dict (or our c
 converts the official JAX .npz. `python vit.py` prints every config's parameter count.
 """
 import math
+import numbers
 
 import torch
 import torch.nn as nn
@@ -86,6 +87,9 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x):  # (B, 3, H, W) -> (B, N, D), grid (H/p, W/p)
+        if x.ndim != 4 or x.shape[1] != self.proj.in_channels:  # (a shape: no host sync)
+            raise ValueError(f'expected a batch of images (B, {self.proj.in_channels}, H, W), got shape '
+                             f'{tuple(x.shape)}')
         if x.shape[-2] % self.patch_size or x.shape[-1] % self.patch_size:
             raise ValueError(f'input of {x.shape[-2]}x{x.shape[-1]} px does not divide into {self.patch_size} '
                              'px patches: the patch embedding would drop the image border')
@@ -167,6 +171,11 @@ class VisionTransformer(nn.Module):
         Impossible shapes raise ValueError rather than build a smaller model than asked.
         """
         super().__init__()
+        # bool is an int, numpy's floats are numbers.Real: a type check, then the value's own
+        if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, numbers.Real) or not 0 < mlp_ratio < math.inf:
+            raise ValueError(f'mlp_ratio must be a finite number > 0, got {mlp_ratio!r}')
+        if not isinstance(qkv_bias, bool):  # the string 'no' would be truthy: keep the bias
+            raise ValueError(f'qkv_bias must be True or False, got {qkv_bias!r}')
         sizes = dict(img_size=img_size, patch_size=patch_size, in_chans=in_chans, dim=dim, depth=depth,
                      heads=heads, mlp_hidden=int(dim * mlp_ratio) if isinstance(dim, int) else dim)
         for name, value in sizes.items():
@@ -181,8 +190,12 @@ class VisionTransformer(nn.Module):
             raise ValueError(f'img_size={img_size} is not divisible by patch_size={patch_size}: the patch '
                              f'embedding drops the image border ({img_size % patch_size} px)')
         for name, value in (('dropout', dropout), ('attn_dropout', attn_dropout), ('drop_path', drop_path)):
-            if not isinstance(value, (int, float)) or not 0 <= value < 1:  # keep probabilities 1 - p > 0
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f'{name} must be a number (a probability in [0, 1)), got {type(value).__name__} '
+                                 f'{value!r}')
+            if not 0 <= value < 1:  # keep probabilities 1 - p > 0
                 raise ValueError(f'{name} must be a probability in [0, 1), got {value!r}')
+        dropout, attn_dropout, drop_path = float(dropout), float(attn_dropout), float(drop_path)  # numpy's too
         for name, value, valid in (('pool', pool, ('token', 'avg')), ('gelu', gelu, ('exact', 'tanh'))):
             if value not in valid:
                 raise ValueError(f'{name} must be one of {valid}, got {value!r}')

@@ -58,3 +58,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def write_bomb_png(path, side=14000):
+    """A PNG whose header says side x side 1-bit pixels (196 M for 14000: over PIL's decompression-bomb limit of
+    2 x Image.MAX_IMAGE_PIXELS = 178,956,970) and whose data is one empty row: PIL refuses it when opening it,
+    from the header alone, as it refuses the real 24 MB image (issue 34's `bomb` folder)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack('>I', len(data)) + kind + data + struct.pack('>I', zlib.crc32(kind + data))
+    header = struct.pack('>IIBBBBB', side, side, 1, 0, 0, 0, 0)  # width, height, 1 bit, greyscale
+    path.write_bytes(b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', header) + chunk(b'IDAT', zlib.compress(b'\0'))
+                     + chunk(b'IEND', b''))
+    return path

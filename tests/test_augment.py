@@ -296,3 +296,40 @@ def test_random_erasing_pixel_mode_fills_one_box_per_image_with_noise():
     noise = out[changed]
     assert abs(noise.mean()) < 0.05 and abs(noise.std() - 1) < 0.05
     assert torch.equal(A.random_erasing(x, 0.0, noise=True), x)
+
+
+# -----------------------------------------------------------------------------
+# issue 34: augment.py as a library: every setting and input checked where torchvision checks it
+@pytest.mark.parametrize('kw,message', [
+    (dict(randaug_m=-5), 'randaug_m must be an integer 0..30, got -5'),  # L06: ran with a negative bin
+    (dict(randaug_m=31), 'randaug_m must be an integer 0..30, got 31'),  # L05: IndexError at the first call
+    (dict(randaug_m=12.5), 'randaug_m must be an integer 0..30, got 12.5'),
+    (dict(randaug_n=-1), 'randaug_n must be an integer >= 0, got -1'),
+    (dict(jitter=-1.0), 'jitter must be a finite number >= 0, got -1.0'),  # L08: ColorJitter refuses it
+    (dict(scale=float('nan')), r'scale must be a number in \(0, 1\]: the smallest crop area, got nan'),  # L13
+    (dict(scale=0.0), r'scale must be a number in \(0, 1\]'),
+    (dict(reprob=1.5), r'reprob must be a probability in \[0, 1\], got 1.5'),
+    (dict(seed='0'), "seed must be an integer, got '0'"),
+])
+def test_a_bad_setting_is_refused_by_make_augment(kw, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kw)
+
+
+@pytest.mark.parametrize('x,aug,message', [
+    (torch.rand(4, 3, 32, 32), 'strong', r'uint8 batch \(B, 3, H, W\) of levels 0..255, got torch.float32'),  # L02
+    (torch.randint(0, 256, (4, 32, 32, 3), dtype=torch.uint8), 'strong', r'got torch.uint8 \(4, 32, 32, 3\)'),  # L09
+    (torch.randint(0, 256, (4, 1, 32, 32), dtype=torch.uint8), 'basic', r'got torch.uint8 \(4, 1, 32, 32\)'),  # L11
+    (torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8), 'basic', r'got torch.uint8 \(3, 32, 32\)'),
+    (torch.randint(0, 256, (4, 3, 32, 48), dtype=torch.uint8), 'strong', "takes square images only, got 32x48"),  # L10
+])
+def test_a_bad_batch_is_a_clear_value_error(x, aug, message):
+    """Float images in [0, 1] used to come out all -1 (read as levels 0..1); the others failed deep inside."""
+    with pytest.raises(ValueError, match=message):
+        make(aug=aug)(x)
+
+
+def test_basic_takes_a_non_square_batch():
+    """L10, 'basic': the pad-and-crop is per axis: a 32x48 batch keeps its shape (only 'strong' needs squares)."""
+    x = torch.randint(0, 256, (4, 3, 32, 48), dtype=torch.uint8)
+    assert make(aug='basic')(x).shape == (4, 3, 32, 48)

@@ -5,13 +5,17 @@ learning against the random initialisation, the views against torchvision's ops,
 Subprocess runs use OMP_NUM_THREADS=1 (see tests/test_train_cifar.py for why); the slow runs go
 in parallel, one core each.
 """
+import contextlib
+import io
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
@@ -276,7 +280,9 @@ def test_view_applies_ops_with_their_probabilities(images, monkeypatch):
 @pytest.mark.parametrize('case', ['no-data', 'unknown-model', 'bad-model-kw', 'missing-resume', 'resume-not-ours',
                                   'checkpoint-without-eval-only', 'corrupt-resume', 'batch-not-divisible',
                                   'out-holds-run', 'out-is-file', 'warmup', 'batch-1', 'lr-nan', 'wd-nan',
-                                  'clip-grad-nan', 'rho-inf', 'rho-without-sam', 'resume-cifar-run'])
+                                  'clip-grad-nan', 'rho-inf', 'rho-without-sam', 'resume-cifar-run',
+                                  'C16-seed-over-64-bits', 'O03-eval-a-cifar-run', 'O04-eval-an-imagenet-run',
+                                  'img-size-0', 'resume-damaged-args'])
 def test_bad_input_in_process(case, tmp_path, monkeypatch):
     (tmp_path / 'run').mkdir()
     (tmp_path / 'run' / 'metrics.jsonl').write_text('{}\n')
@@ -302,10 +308,24 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch):
         'clip-grad-nan': (['--clip-grad', 'nan'], '--clip-grad must be a finite number >= 0, got nan'),
         'rho-inf': (['--sam', '--rho', 'inf'], '--rho must be a finite number >= 0, got inf'),
         'rho-without-sam': (['--rho', 0.1], '--rho only act with --sam'),
-        'resume-cifar-run': (['--resume', tmp_path / 'cifar_last.pt'], 'is not a train_contrastive.py checkpoint'),
+        'resume-cifar-run': (['--resume', tmp_path / 'cifar_last.pt'],
+                             'cifar_last.pt is a last.pt of train_cifar.py: continue it with train_cifar.py --resume'),
+        # issue 34
+        'C16-seed-over-64-bits': (['--seed', 99999999999999999999999],
+                                  '--seed must be a finite number >= 0 and <= 9223372036854775807'),
+        'O03-eval-a-cifar-run': (['--eval-only', '--checkpoint', tmp_path / 'cifar_last.pt'],
+                                 'cifar_last.pt is a last.pt of train_cifar.py: evaluate it with train_cifar.py '
+                                 '--eval-only'),
+        'O04-eval-an-imagenet-run': (['--eval-only', '--checkpoint', tmp_path / 'imagenet_last.pt'],
+                                     'is a last.pt of train_imagenet.py: evaluate it with train_imagenet.py --eval-only'),
+        'img-size-0': (['--img-size', 0], '--img-size must be a finite number > 0 and <= 1024, got 0'),  # was 32
+        'resume-damaged-args': (['--resume', tmp_path / 'damaged.pt'],
+                                f"--lr must be a number, got 'fast' (from the args stored in {tmp_path / 'damaged.pt'}"),
     }[case]
-    torch.save({'model': {}, 'optimizer': {}, 'scaler': {}, 'epoch': 1, 'step': 1, 'history': [], 'args': {}},
-               tmp_path / 'cifar_last.pt')  # what train_cifar.py's last.pt holds
+    run_keys = {'model': {}, 'optimizer': {}, 'scaler': {}, 'epoch': 1, 'step': 1, 'history': [], 'args': {}}
+    torch.save(run_keys, tmp_path / 'cifar_last.pt')  # what train_cifar.py's last.pt holds
+    torch.save({**run_keys, 'steps_per_epoch': 1}, tmp_path / 'imagenet_last.pt')
+    torch.save({**run_keys, 'moco': {}, 'args': {'lr': 'fast'}}, tmp_path / 'damaged.pt')  # hand-edited args
     if case == 'batch-not-divisible':  # torchrun's environment for rank 0 of 3: checked before any process group
         monkeypatch.setenv('WORLD_SIZE', '3')
     for proxy in ('http_proxy', 'https_proxy', 'HTTP_PROXY', 'HTTPS_PROXY'):  # offline: no CIFAR download
@@ -340,3 +360,77 @@ def test_infonce_logits_are_fp32_under_bf16_autocast():
     torch.testing.assert_close(got, tc.contrastive_loss(q.bfloat16().float(), k.bfloat16().float(), 0.2),
                                rtol=1e-6, atol=1e-6)
     assert abs(got - want) < 0.05  # (the inputs themselves were rounded to bf16)
+
+
+# -----------------------------------------------------------------------------
+# 7. issue 34: resumed flags applied, --lr 0 kept, a one-step warm-up trains, data folders
+def tiny_run(*argv):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        tc.main([str(a) for a in argv])
+    return out.getvalue()
+
+
+def test_resumed_rho_and_wd_reach_the_optimizer(cifar10_dir, tmp_path):
+    """S13: `changed: --wd 0.1 -> 0.9, --rho 0.05 -> 0.5` is what AdamW and SAM then use: last.pt's optimizer
+    says what its args say, and the weights differ from a plain resume of the same state."""
+    common = ['--data', cifar10_dir, '--train-subset', 32, '--test-subset', 20, '--batch-size', 32,
+              '--warmup-epochs', 0, *TINY, '--eval', 'knn']
+    tiny_run(*common, '--epochs', 1, '--sam', '--out', tmp_path / 'first')
+    final = {}
+    for name, flags in (('plain', []), ('changed', ['--rho', 0.5, '--wd', 0.9])):
+        shutil.copytree(tmp_path / 'first', tmp_path / name)
+        tiny_run('--resume', tmp_path / name / 'last.pt', '--epochs', 2, *flags)
+        final[name] = torch.load(tmp_path / name / 'last.pt', weights_only=True)
+    for ckpt in final.values():
+        group = ckpt['optimizer']['param_groups'][0]
+        assert (group['rho'], group['weight_decay']) == (ckpt['args']['rho'], ckpt['args']['wd'])
+    assert (final['changed']['args']['rho'], final['changed']['args']['wd']) == (0.5, 0.9)
+    key = 'base_encoder.0.blocks.0.mlp.fc1.weight'
+    assert not torch.equal(final['plain']['moco'][key], final['changed']['moco'][key])
+
+
+def test_lr_0_is_kept_and_a_one_step_warm_up_trains(cifar10_dir, tmp_path):
+    """C10: --lr 0 trains at LR 0 (it was replaced by the MoCo v3 default); a run of one step whose warm-up spans it
+    trains at lr/2 (the step's middle), not at the warm-up's start, 0. Oracle: the seed-0 initial weights."""
+    common = ['--data', cifar10_dir, '--train-subset', 32, '--test-subset', 20, '--batch-size', 32, '--epochs', 1,
+              *TINY, '--eval', 'knn']
+    log = tiny_run(*common, '--warmup-epochs', 0, '--lr', 0, '--out', tmp_path / 'zero')
+    assert '| AdamW lr 0 wd 0.1 |' in log
+    one = tiny_run(*common, '--warmup-epochs', 1, '--lr', 1e-3, '--out', tmp_path / 'one')
+    assert 'done |' in one
+    zero, one = (torch.load(tmp_path / name / 'last.pt', weights_only=True) for name in ('zero', 'one'))
+    assert [r['lr'] for r in zero['history'] if r['kind'] == 'train'] == [0]
+    assert [r['lr'] for r in one['history'] if r['kind'] == 'train'] == [pytest.approx(5e-4)]
+    key = 'base_encoder.0.blocks.0.mlp.fc1.weight'
+    assert not torch.equal(zero['moco'][key], one['moco'][key])
+
+
+def test_data_folders_one_class_16_bit_and_a_decompression_bomb(cifar10_dir, tmp_path):
+    """H28: a folder of one class is refused naming only this script's flags (no --classes here); H29: 16-bit
+    PNGs are their levels / 257 (PIL's convert made them near white); H14: a decompression bomb is one line."""
+    from PIL import Image
+    from conftest import write_bomb_png
+    root = tmp_path / 'data'
+    for split in ('train', 'test'):
+        for c in sorted((cifar10_dir / split).iterdir()):
+            (root / split / c.name).mkdir(parents=True)
+            for f in sorted(c.iterdir())[:2]:
+                shutil.copy(f, root / split / c.name / f.name)
+    level = np.random.default_rng(0).integers(0, 65536, (32, 32), dtype=np.uint16)
+    for f in (root / 'train' / 'cat').iterdir():
+        f.unlink()
+        Image.fromarray(level).save(f.with_suffix('.png'))
+    args = tc.get_args(['--data', str(root), *TINY])
+    loaded = tc.load_data(args, 'cpu')
+    cats = loaded['train'][loaded['train_y'] == 3]
+    assert torch.equal(cats, torch.from_numpy(np.round(level / 257).astype(np.uint8)).expand(2, 3, 32, 32))
+    write_bomb_png(root / 'train' / 'cat' / 'zz_bomb.png')
+    with pytest.raises(utils.UserError, match=r"cannot decode .*zz_bomb.png: it has more than 178,956,970 pixels"):
+        tc.load_data(args, 'cpu')
+    one = tmp_path / 'one'
+    for split in ('train', 'test'):
+        shutil.copytree(root / split / 'airplane', one / split / 'airplane')
+    with pytest.raises(utils.UserError) as e:
+        tc.load_data(tc.get_args(['--data', str(one), *TINY]), 'cpu')
+    assert 'has 1 class folders, cifar10 has 10: --data must hold all 10' in str(e.value)
+    assert '--classes' not in str(e.value)

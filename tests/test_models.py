@@ -3,6 +3,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -363,6 +364,14 @@ BAD_SHAPES = [
     (V, dict(attn_dropout=-0.1), r'attn_dropout must be a probability in \[0, 1\), got -0.1'),
     (M, dict(drop_path=1.0), r'drop_path must be a probability in \[0, 1\), got 1.0'),
     (M, dict(dropout=2), r'dropout must be a probability in \[0, 1\), got 2'),
+    # issue 34: a library argument of the wrong type was accepted as truthy, or failed naming no argument
+    (V, dict(mlp_ratio=float('nan')), 'mlp_ratio must be a finite number > 0, got nan'),  # VL01
+    (V, dict(mlp_ratio='4'), "mlp_ratio must be a finite number > 0, got '4'"),  # VL02
+    (V, dict(qkv_bias='no'), "qkv_bias must be True or False, got 'no'"),  # VL09
+    (V, dict(dropout=True), r'dropout must be a number \(a probability in \[0, 1\)\), got bool True'),
+    (M, dict(drop_path='0.1'), r"drop_path must be a number \(a probability in \[0, 1\)\), got str '0.1'"),
+    (C, dict(dropout=1.0), r'dropout must be a probability in \[0, 1\), got 1.0'),  # P10
+    (C, dict(dropout='x'), r"dropout must be a number \(a probability in \[0, 1\)\), got str 'x'"),
 ]
 
 
@@ -425,3 +434,37 @@ def test_load_npz_of_a_file_that_is_no_npz_names_what_is_missing(module, key, tm
     np.savez(tmp_path / 'other.npz', a=np.zeros(3))  # a real .npz of other arrays: named as before
     with pytest.raises(ValueError, match=rf"no array '{key}'"):
         module.load_npz(str(tmp_path / 'other.npz'))
+
+
+# -----------------------------------------------------------------------------
+# issue 34: the model files as libraries
+def test_avg_pool_fc_norm_equals_timm_in_float64():
+    """pool='avg': the LayerNorm after pooling (fc_norm) has eps 1e-6 as timm's (and every other norm): in float64
+    the logits agree to ~1e-15, where an eps of 1e-5 moves them by ~1e-6 (the fp32 comparison above, atol 1e-5,
+    cannot see that). Oracle: timm's VisionTransformer with global_pool='avg'."""
+    torch.manual_seed(0)
+    kw = dict(img_size=32, patch_size=8, num_classes=10)
+    theirs = randomise(TimmViT(**kw, embed_dim=64, depth=1, num_heads=2, global_pool='avg', class_token=False,
+                               fc_norm=True)).double().eval()
+    ours = vit.VisionTransformer(**kw, dim=64, depth=1, heads=2, pool='avg').double().eval()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=1e-12)
+
+
+def test_numpy_probabilities_are_numbers():
+    """VL04: np.float32(0.1) is a probability (numbers.Real), taken as the Python float it equals."""
+    model = vit.VisionTransformer(**SMALL[V], dropout=np.float32(0.1), drop_path=np.float64(0.1))
+    assert model.pos_drop.p == pytest.approx(0.1) and type(model.pos_drop.p) is float
+    assert mixer.MlpMixer(**SMALL[M], dropout=np.float32(0.2)).head_drop.p == pytest.approx(0.2)
+    assert convmixer.ConvMixer(**SMALL[C], dropout=np.float32(0.2)).head_drop.p == pytest.approx(0.2)
+    model.train()(torch.randn(2, 3, 32, 32)).sum().backward()
+
+
+@pytest.mark.parametrize('cls', [V, M, C], ids=lambda c: c.__name__)
+@pytest.mark.parametrize('shape', [(3, 32, 32), (2, 32, 32, 3), (2, 1, 32, 32)])
+def test_an_unbatched_or_channels_last_image_is_a_clear_value_error(cls, shape):
+    """VL06: (3, H, W) without its batch axis (a ConvMixer's Conv2d took it as a batch of 3), or HWC, or 1 channel."""
+    with pytest.raises(ValueError, match=r'expected a batch of images \(B, 3, H, W\), got shape'):
+        cls(**SMALL[cls])(torch.randn(shape))

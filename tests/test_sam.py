@@ -929,6 +929,7 @@ def test_no_host_sync_in_the_sam_step(adaptive, scaler, k):
     (dict(rho=math.nan), ValueError, 'rho must be a finite number >= 0, got nan'),
     (dict(eta='0.01', adaptive=True), TypeError, "eta must be a real number, got str '0.01'"),
     (dict(eta=math.inf, adaptive=True), ValueError, 'eta must be a finite number >= 0, got inf'),
+    (dict(adaptive='no'), TypeError, "adaptive must be True or False, got str 'no'"),  # issue 34 SL09: 'no' was ASAM
 ])
 def test_bad_rho_or_eta_is_refused_at_construction(kw, error, message):
     """A string used to fail deep in first_step; rho = inf was accepted and made every weight NaN after one
@@ -941,3 +942,45 @@ def test_bad_rho_or_eta_is_refused_at_construction(kw, error, message):
     opt = SAM(list(m.parameters())[:1], torch.optim.SGD, lr=0.1)
     with pytest.raises(error, match=message):
         opt.add_param_group({'params': list(m.parameters())[1:], **kw})
+
+
+# -----------------------------------------------------------------------------
+# issue 34
+@pytest.mark.parametrize('adaptive', [False, True], ids=['sam', 'asam'])
+def test_every_bucket_is_restored_after_the_step(adaptive):
+    """first_step moves the parameters of each (group, device, dtype) bucket; the step restores all of them, not only
+    the last bucket's. Two groups (as train_imagenet.py always builds: decay, no decay) and two dtypes; the base
+    step is the identity (SGD at lr 0), so every parameter must come back bit for bit. Oracle: w before the step."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 3).double()
+    groups = [dict(params=[a.weight, b.weight]), dict(params=[a.bias, b.bias], rho=0.2)]
+    opt = SAM(groups, torch.optim.SGD, rho=0.1, adaptive=adaptive, lr=0.0)
+    w0 = [p.detach().clone() for p in (a.weight, a.bias, b.weight, b.bias)]
+    x = torch.randn(8, 4)
+    loss = lambda: b(torch.tanh(a(x)).double()).square().sum()
+    loss().backward()
+    opt.first_step(zero_grad=True)
+    assert not any(torch.equal(p, q) for p, q in zip((a.weight, a.bias, b.weight, b.bias), w0))  # all 4 moved
+    loss().backward()
+    opt.second_step(zero_grad=True)
+    for p, q in zip((a.weight, a.bias, b.weight, b.bias), w0):
+        assert torch.equal(p, q)
+
+
+def test_next_group_before_first_step_names_next_group():
+    """SL01: the message is about next_group(), not about second_step() / step()."""
+    opt = SAM(_mlp(0).parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match=r'SAM.next_group\(\) goes between two m-sharpness groups: after the '
+                                           r'first_step\(\)'):
+        opt.next_group()
+
+
+def test_load_state_dict_the_saved_settings_win_as_documented():
+    """SL13: as every torch optimizer, the file's rho (and lr, weight_decay) win over the constructor's; the
+    docstring says so and names the way to keep new ones (runs.load_optimizer_state, tested in test_library)."""
+    m = _mlp(0)
+    old = SAM(m.parameters(), torch.optim.SGD, rho=0.05, lr=0.1)
+    new = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
+    new.load_state_dict(old.state_dict())
+    assert new.param_groups[0]['rho'] == 0.05
+    assert 'the saved state wins' in SAM.load_state_dict.__doc__

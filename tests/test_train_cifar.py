@@ -7,6 +7,8 @@ Scripts run as subprocesses with OMP_NUM_THREADS=1: on 2 shared cores, two OpenM
 process spin at barriers whenever a neighbour takes a core, which made runs 5-10x slower. The two
 learning runs go in parallel instead, one core each.
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -34,7 +36,7 @@ import models
 import pgd
 import train_cifar as tc
 import vit
-from conftest import PER_CLASS, REPO
+from conftest import PER_CLASS, REPO, write_bomb_png
 
 SCRIPT = str(REPO / 'train_cifar.py')
 TINY = ['--model-kw', 'dim=16', 'depth=1', 'patch_size=4', 'kernel_size=3']  # 1,482 params
@@ -131,8 +133,11 @@ def test_outputs_schedule_and_batchnorm(learning_runs):
         assert set(r) >= ({'loss', 'acc', 'lr', 'img_per_s'} if r['kind'] == 'train' else
                           {'loss', 'top1', 'top5', 'correct', 'n'}) | {'kind', 'epoch', 'step', 'elapsed_s'}
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
-    # the last step of epoch e sets lr(t = e); 5 epochs: 0 -> lr at t = 5*2//5 = 2 -> lr/20 at 5*4//5 = 4 -> 0
-    assert [r['lr'] for r in train] == pytest.approx([0.01, 0.02, 0.0105, 0.001, 0.0], abs=1e-12)
+    # the last step of epoch e sets lr at its middle, t = e - 1/60; 5 epochs: 0 -> lr at t = 5*2//5 = 2 -> lr/20 at
+    # 5*4//5 = 4 -> 0 at t = 5 (which no step reaches)
+    one_cycle = lambda t: float(np.interp(t, [0, 2, 4, 5], [0, 0.02, 0.001, 0]))
+    assert [r['lr'] for r in train] == pytest.approx([one_cycle(e - 1 / 60) for e in range(1, 6)], abs=1e-12)
+    assert train[-1]['lr'] > 0
     ckpt = torch.load(out_dir / 'last.pt', weights_only=True)
     assert set(ckpt) >= set(tc.RUN_KEYS) and ckpt['epoch'] == 5 and ckpt['step'] == 150
     assert ckpt['optimizer']['param_groups'][0]['rho'] == 0.05 and ckpt['args']['sam']
@@ -207,7 +212,7 @@ def simulate_sam_epoch(learned, data, epoch, steps, batch, lr_peak, epochs, rho=
                 p.grad = g2
             for b, b0 in zip(model.buffers(), rank0_buffers):
                 b.copy_(b0)
-        t = epoch + (i + 1) / steps
+        t = epoch + (i + 0.5) / steps  # the step's middle
         opt.param_groups[0]['lr'] = float(np.interp(t, [0, epochs * 2 // 5, epochs * 4 // 5, epochs],
                                                     [0, lr_peak, lr_peak / 20, 0]))
         opt.step()
@@ -417,6 +422,8 @@ def image_folder(cifar10_dir, root, fault):
         jpg.write_bytes(b'\xff\xd8\xff\xe0 not a JPEG' * 20)
     elif fault == 'truncated-image':
         jpg.write_bytes(jpg.read_bytes()[:len(jpg.read_bytes()) // 2])
+    elif fault == 'bomb':  # issue 34 H07: over PIL's decompression-bomb limit (its own error type, not an OSError)
+        write_bomb_png(cat / 'zz_bomb.png')
     elif fault == 'five-class-folders':
         for c in sorted(os.listdir(root / 'train'))[5:]:
             shutil.rmtree(root / 'train' / c), shutil.rmtree(root / 'test' / c)
@@ -474,7 +481,7 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
                                ['--pretrained starts a new run']),
     'pretrained-mixer-tokens': (['--model', 'mixer_s16', '--model-kw', 'patch_size=4', 'dim=32', 'depth=1',
                                  '--img-size', 48, '--pretrained', '{dir}/mixer.pt'], ['Mixer of 64 tokens', '144']),
-    'img-size-0': (['--img-size', 0], ['--img-size must be a finite number > 0, got 0']),
+    'img-size-0': (['--img-size', 0], ['--img-size must be a finite number > 0 and <= 1024, got 0']),
     'adv-steps-0': (['--adv', 'pgd', '--adv-steps', 0], ['--adv-steps must be a finite number > 0, got 0']),
     # issue 25: a new user's mistakes
     'model-kw-img-size': (['--model-kw', 'img_size=64'], ['img_size=64', 'the size from --img-size']),
@@ -496,6 +503,25 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
     'sam-m-not-dividing': (['--sam', '--sam-m', 48, '--batch-size', 100], ['--sam-m 48 does not divide the 100 images',
                                                                            'such as 25']),
     'sam-m-negative': (['--sam', '--sam-m', -1], ['--sam-m must be a finite number >= 0, got -1']),
+    # issue 34: a second round of a new user's mistakes
+    'A11-batchnorm-one-value-sam-m-1': (['--model-kw', 'dim=8', 'depth=1', 'patch_size=32', '--sam', '--sam-m', 1,
+                                         '--batch-size', 50], ['--sam-m 1', 'BatchNorm layer stem.2',
+                                                               '(1, 8, 1, 1), one value per channel']),
+    'A12-batchnorm-one-value-batch-1': (['--model-kw', 'dim=8', 'depth=1', 'patch_size=32', '--batch-size', 1,
+                                         '--out', '{dir}/o'], ['--batch-size 1', 'one value per channel']),
+    'N01-img-size-2048': (['--img-size', 2048], ['--img-size must be a finite number > 0 and <= 1024, got 2048']),
+    'N02-seed-over-64-bits': (['--seed', 99999999999999999999999], ['--seed must be', '<= 9223372036854775807']),
+    'F10-stored-lr-a-string': (['--resume', '{dir}/strlr.pt', '--epochs', 3],
+                               ["--lr must be a number, got 'fast'", 'stored in {dir}/strlr.pt', 'hand-edited']),
+    'P10-convmixer-dropout-1': (['--model-kw', 'dim=8', 'depth=1', 'dropout=1.0'],
+                                ['dropout must be a probability in [0, 1), got 1.0']),
+    'P11-mlp-ratio-x': (['--model', 'vit_s4_cifar', '--model-kw', 'dim=32', 'depth=1', 'heads=2', 'mlp_ratio=x'],
+                        ["mlp_ratio must be a finite number > 0, got 'x'"]),
+    'P12-mlp-ratio-nan': (['--model', 'vit_s4_cifar', '--model-kw', 'dim=32', 'depth=1', 'heads=2', 'mlp_ratio=nan'],
+                          ["mlp_ratio must be a finite number > 0, got 'nan'"]),
+    'P13-qkv-bias-no': (['--model', 'vit_s4_cifar', '--model-kw', 'dim=32', 'depth=1', 'heads=2', 'qkv_bias=no'],
+                        ["qkv_bias must be True or False, got 'no'"]),
+    'bomb': (['--data', '{data}', '--out', '{dir}/o'], ['cannot decode', 'zz_bomb.png', "decompression-bomb limit"]),
 }
 
 
@@ -513,11 +539,13 @@ def test_bad_input(case, fork_server, tiny_run, cifar10_dir, tmp_path):
     run_keys = dict(model={}, optimizer={}, scaler={}, step=1, epoch=1, history=[], args={'recipe': 'sam'})
     torch.save({**run_keys, 'steps_per_epoch': 1}, tmp_path / 'imagenet_last.pt')  # what only those scripts write
     torch.save({**run_keys, 'moco': {}}, tmp_path / 'moco_last.pt')
+    damaged = torch.load(tmp_path / 'run' / 'last.pt', weights_only=True)
+    torch.save({**damaged, 'args': {**damaged['args'], 'lr': 'fast'}}, tmp_path / 'strlr.pt')  # hand-edited args
     zero = build('convmixer_256_8', 10, models.parse_model_kw(TINY[1:]))
     torch.nn.init.zeros_(zero.head.weight), torch.nn.init.zeros_(zero.head.bias)
     torch.save(zero.state_dict(), tmp_path / 'zero_head.pt')
     if case in ('test-classes-differ', 'empty-class-folder', 'corrupt-image', 'truncated-image',
-                'five-class-folders'):
+                'five-class-folders', 'bomb'):
         fill['data'], fill['jpg'] = image_folder(cifar10_dir, tmp_path / 'data', case)
     if case == 'out-read-only' and os.geteuid() != 0:  # root may write anywhere but in /sys
         fill['readonly'] = tmp_path / 'ro'
@@ -538,6 +566,7 @@ def test_bad_input(case, fork_server, tiny_run, cifar10_dir, tmp_path):
     for word in words:
         assert word.format(**fill) in err, (word, err)
     assert {f: f.read_bytes() for f in (tmp_path / 'run').iterdir()} == files  # and no .tmp left
+    assert not (tmp_path / 'o').exists() and not (tmp_path / 'out').exists()  # no folder left holding only .lock
 
 
 # -----------------------------------------------------------------------------
@@ -754,7 +783,7 @@ def test_finetune_recipe_trains_at_48px(cifar10_dir, tmp_path):
                                                                                           0), 1)))
     train = rows(out, 'train')
     assert [r['step'] for r in train] == [2, 4, 6, 8, 10, 12, 14, 16]  # 3 progress rows + 1 per epoch
-    assert [r['lr'] for r in train] == pytest.approx([vit_jax(r['step']) for r in train], abs=1e-12)
+    assert [r['lr'] for r in train] == pytest.approx([vit_jax(r['step'] - 0.5) for r in train], abs=1e-12)  # mid-step
     assert ckpt['model']['pos_embed'].shape == (1, 145, 32) and ckpt['model']['head.weight'].shape == (10, 32)
     assert (ckpt['model']['blocks.0.attn.qkv.weight'] - theirs['blocks.0.attn.qkv.weight']).abs().max() < 0.5
     assert ckpt['model']['head.weight'].abs().sum() > 0 and rows(out, 'eval')[-1]['n'] == 100
@@ -885,3 +914,65 @@ def test_resume_with_another_batch_size_trains_and_saves_the_epoch(tiny_run, tmp
     r = check(run('--resume', tmp_path / 'run' / 'last.pt', '--epochs', 3, '--batch-size', 25, '--lr', 0.001))
     assert '--batch-size 50 -> 25' in r.stdout and 'done |' in r.stdout
     assert torch.load(tmp_path / 'run' / 'last.pt', weights_only=True)['epoch'] == 3
+
+
+# -----------------------------------------------------------------------------
+# issue 34: resumed flags applied, one-step runs, --eval-only's unused training flags, 16-bit images
+def tiny_main(*argv):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        tc.main([str(a) for a in argv])
+    return out.getvalue()
+
+
+def test_a_resumed_rho_wd_adaptive_reach_the_optimizer(cifar10_dir, tmp_path):
+    """A08, S10, S11: `changed: --rho ...` is what the optimizer then uses (torch's load_state_dict put back the
+    run's rho, weight_decay, adaptive): the last.pt's optimizer says what its args say, and the weights differ
+    from a resume without the change. Oracle: the flags given, and the plain resume."""
+    first = tmp_path / 'a'
+    tiny_main('--data', cifar10_dir, '--train-subset', 100, '--test-subset', 20, '--batch-size', 50, '--epochs', 1,
+              *TINY, '--sam', '--log-every', 0, '--out', first)
+    changes = {'plain': [], 'rho': ['--rho', 0.5], 'wd': ['--wd', 0.5], 'adaptive': ['--adaptive']}
+    final = {}
+    for name, flags in changes.items():
+        shutil.copytree(first, tmp_path / name)
+        log = tiny_main('--resume', tmp_path / name / 'last.pt', '--epochs', 2, *flags)
+        assert not flags or f'changed: --epochs 1 -> 2, {flags[0]} ' in log
+        final[name] = torch.load(tmp_path / name / 'last.pt', weights_only=True)
+    for name, ckpt in final.items():
+        group, args = ckpt['optimizer']['param_groups'][0], ckpt['args']
+        assert (group['rho'], group['weight_decay'], group['adaptive']) == (args['rho'], args['wd'], args['adaptive'])
+        assert name == 'plain' or args[name] != final['plain']['args'][name]
+        assert name == 'plain' or not torch.equal(ckpt['model']['head.weight'], final['plain']['model']['head.weight'])
+
+
+def test_a_one_step_run_trains_at_a_nonzero_lr(cifar10_dir, tmp_path):
+    """S01: one step in all (--epochs 1, one batch): the step's LR is the schedule at the step's middle, not its end
+    (the one cycle's final 0), so the run does not say `done` with the initial weights. Oracle: the seed-0 init."""
+    log = tiny_main('--data', cifar10_dir, '--train-subset', 50, '--test-subset', 20, '--batch-size', 50, '--epochs',
+                    1, *TINY, '--log-every', 0, '--out', tmp_path / 'one')
+    ckpt = torch.load(tmp_path / 'one' / 'last.pt', weights_only=True)
+    assert ckpt['step'] == 1 and 'done |' in log
+    assert [r['lr'] for r in ckpt['history'] if r['kind'] == 'train'] == pytest.approx([0.05 / 20 / 2])  # E = 1
+    torch.manual_seed(0)
+    init = build('convmixer_256_8', 10, models.parse_model_kw(TINY[1:])).state_dict()
+    assert not torch.equal(init['head.weight'], ckpt['model']['head.weight'])
+
+
+def test_eval_only_ignores_the_training_flags_sam_m_included(tiny_run, tmp_path):
+    """A07: --eval-only trains nothing: --sam --sam-m 7 (not dividing the run's batch) does not refuse it."""
+    log = tiny_main('--eval-only', '--checkpoint', tiny_run / 'last.pt', '--sam', '--sam-m', 7, '--lr', 5)
+    assert log.startswith(f'eval | {tiny_run / "last.pt"} |')
+
+
+def test_16_bit_png_is_read_as_its_8_bit_levels(cifar10_dir, tmp_path):
+    """H05: a 16-bit greyscale PNG (PIL mode I;16) is its levels / 257, rounded, in all three channels; PIL's
+    convert('RGB') clipped every value above 255 (an almost white image). Oracle: the array written."""
+    root, _ = image_folder(cifar10_dir, tmp_path / 'data', None)
+    levels = np.random.default_rng(0).integers(0, 65536, (2, 32, 32), dtype=np.uint16)
+    for jpg, level in zip(sorted((root / 'train' / 'cat').iterdir()), levels):
+        jpg.unlink()
+        Image.fromarray(level).save(jpg.with_suffix('.png'))
+    assert Image.open(jpg.with_suffix('.png')).mode == 'I;16'
+    x, y = data.load_cifar(root, 'cifar10', True)
+    want = torch.from_numpy(np.round(levels / 257).astype(np.uint8))[:, None].expand(2, 3, 32, 32)
+    assert torch.equal(x[y == 3], want)

@@ -29,7 +29,7 @@ from torchvision import transforms as T
 
 import train_imagenet as ti
 import vit
-from conftest import REPO
+from conftest import REPO, write_bomb_png
 from sam import SAM
 
 IMG = 64
@@ -236,8 +236,10 @@ def test_ddp_convmixer_recipe_sam_accumulation_batchnorm_eval_matches_its_checkp
            (5, 'onecycle', 'imagenet', 0.1)
     train = rows(out, 'train')
     assert len(train) == 4
-    for r in train:  # locuslab's integer breakpoints at 2 epochs: 2*2//5 = 0, 2*4//5 = 1; t = (s + 1) / 10
-        assert r['lr'] == pytest.approx(0.01 * np.interp(r['step'] / 10, [0, 0, 1, 2], [0, 1, 0.05, 0]), rel=1e-9)
+    for r in train:  # locuslab's integer breakpoints at 2 epochs: 2*2//5 = 0, 2*4//5 = 1; t = (s + 1/2) / 10
+        assert r['lr'] == pytest.approx(0.01 * np.interp((r['step'] - 0.5) / 10, [0, 0, 1, 2], [0, 1, 0.05, 0]),
+                                        rel=1e-9)
+        assert r['lr'] > 0  # the last step too: mid-step, never the schedule's final 0
         assert math.isfinite(r['loss'])
     single = eval_in_process(['--checkpoint', out / 'last.pt'])  # the model flags come from that run
     assert counts(single) == counts(evals[-1])
@@ -667,8 +669,9 @@ def bad_data(tiny_imagenet, tmp_path_factory):
     (root / 'unflat' / 'val').mkdir()
     Image.new('RGB', (8, 8)).save(root / 'unflat' / 'train' / 'n01440764' / 'a.JPEG')
     Image.new('RGB', (8, 8)).save(root / 'unflat' / 'val' / 'ILSVRC2012_val_00000001.JPEG')
-    for name in ('empty_class', 'renamed', 'corrupt', 'truncated'):
+    for name in ('empty_class', 'renamed', 'corrupt', 'truncated', 'bomb'):
         shutil.copytree(tiny_imagenet, root / name)
+    write_bomb_png(root / 'bomb' / 'train' / 'cat' / 'zz_bomb.png')  # 201 training images: 3 batches of 67
     for f in (root / 'empty_class' / 'train' / 'cat').iterdir():
         f.unlink()
     (root / 'renamed' / 'val' / 'airplane').rename(root / 'renamed' / 'val' / 'zz_airplane')
@@ -772,6 +775,21 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
                                    ['does not fit this --model', 'size mismatch for head.weight', '[1000, 64]']),
     'eval-malformed-npz': (EVAL + ['--checkpoint', '{bad}/malformed.npz'] + TINY_VIT,
                            ['cannot read {bad}/malformed.npz', "'embedding/kernel'"]),
+    # issue 34
+    'B30-batchnorm-one-value': (['--data', '{data}', '--model', 'resnet50', '--img-size', 32, '--batch-size', 20,
+                                 '--max-micro-batch', 1, '--epochs', 1, '--workers', 0, '--out', '{out}',
+                                 '--overwrite'],
+                                ['--max-micro-batch 1: forward passes of 1 image(s) give BatchNorm layer layer4.',
+                                 'of resnet50 at 32 px', 'one value per channel']),
+    'B11-synthetic-eval-only': (['--synthetic', '--eval-only', '--checkpoint', '{out}/last.pt', '--workers', 0],
+                                ['--eval-only needs --data DIR: --synthetic has no validation set']),
+    'H12-bomb': (BASE + ['--data', '{bad}/bomb', '--batch-size', 67], [
+        "cannot decode the image {bad}/bomb/train/cat/zz_bomb.png (it has more than 178,956,970 pixels, PIL's "
+        'decompression-bomb limit']),
+    'H13-bomb-in-a-worker': (BASE + ['--data', '{bad}/bomb', '--batch-size', 67, '--workers', 1],
+                             ['cannot decode the image {bad}/bomb/train/cat/zz_bomb.png (it has more than']),
+    'seed-over-64-bits': (BASE + ['--seed', 2 ** 64],
+                          ['--seed must be a finite number >= 0 and <= 9223372036854775807']),
 }
 
 
@@ -843,3 +861,53 @@ def test_the_loader_sends_uint8_micro_batches_and_synthetic_sends_nothing(tiny_i
     _, _, batches, _, _ = ti.make_data(syn, proc, 8)
     first, second = [b for _, b in zip(range(2), batches)]
     assert first[0] is second[0] and first[0].shape == (8, 3, IMG, IMG)  # one batch, made once
+
+
+# -----------------------------------------------------------------------------
+# issue 34
+def test_mixup_and_cutmix_one_of_them_per_batch(monkeypatch):
+    """--mixup and --cutmix both on: each batch gets ONE of them, p 0.5 (timm's switch; v2.RandomChoice), never
+    both (v2.Compose would cut a box out of an already mixed batch). Oracle: torchvision's definitions, read off
+    each output: MixUp is lam x + (1 - lam) x.roll(1) for the lam of its soft labels; CutMix takes every pixel
+    from the image or its partner, (1 - lam) of them from the partner."""
+    import utils
+    monkeypatch.delenv('WORLD_SIZE', raising=False)
+    args = ti.get_args([str(a) for a in ['--synthetic', *TINY_VIT, '--batch-size', 8, '--workers', 0, '--mixup', 0.8,
+                                         '--cutmix', 1.0]])
+    *_, mix = ti.make_data(args, utils.setup('off'), 8)
+    torch.manual_seed(0)
+    x, y = torch.rand(8, 3, 16, 16), torch.arange(8)
+    partner, kinds = x.roll(1, 0), []
+    for _ in range(12):
+        out, soft = mix(x, y)
+        lam = soft[0, 0].item()  # image 0 (label 0) is mixed with image 7 (label 7): soft[0] = lam, 1 - lam
+        assert soft[0, 7].item() == pytest.approx(1 - lam, abs=1e-6)
+        if torch.allclose(out, lam * x + (1 - lam) * partner, rtol=0, atol=1e-6):
+            kinds.append('mixup')
+            continue
+        assert ((out == x) | (out == partner)).all()  # cutmix: a pure box; mixup then cutmix: blended pixels
+        assert (out != x).any(1).float().mean((1, 2))[0].item() == pytest.approx(1 - lam, abs=1e-6)
+        kinds.append('cutmix')
+    assert set(kinds) == {'mixup', 'cutmix'}, kinds
+
+
+def test_a_resumed_rho_wd_opt_eps_reach_the_optimizer(tiny_imagenet, tmp_path):
+    """S12, S12d: `changed: --rho 0.05 -> 0.5, --wd 0.3 -> 0.9` (or --opt-eps) is what the optimizer uses after a
+    resume: both groups (decay, no decay) hold the flags given, and the weights differ from a plain resume."""
+    first = tmp_path / 'first'
+    small = ['--data', tiny_imagenet, '--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=32', 'heads=2', '--img-size',
+             32, '--batch-size', 40, '--warmup-steps', 2, '--workers', 0, '--log-every', 0, '--eval-batch-size', 33]
+    with contextlib.redirect_stdout(io.StringIO()):
+        main(small + ['--epochs', 1, '--sam', '--out', first])
+        final = {}
+        for name, flags in {'plain': [], 'rho_wd': ['--rho', 0.5, '--wd', 0.9], 'eps': ['--opt-eps', 0.5]}.items():
+            shutil.copytree(first, tmp_path / name)
+            main(['--resume', tmp_path / name / 'last.pt', '--epochs', 2, *flags])
+            final[name] = load(tmp_path / name / 'last.pt')
+    for name, ckpt in final.items():
+        args, (decay, no_decay) = ckpt['args'], ckpt['optimizer']['param_groups']
+        assert (decay['rho'], decay['weight_decay'], no_decay['weight_decay'], decay['eps']) == \
+               (args['rho'], args['wd'], 0.0, args['opt_eps'])
+        assert name == 'plain' or not torch.equal(ckpt['model']['head.weight'], final['plain']['model']['head.weight'])
+    assert (final['rho_wd']['args']['rho'], final['rho_wd']['args']['wd'], final['eps']['args']['opt_eps']) == \
+           (0.5, 0.9, 0.5)
