@@ -15,7 +15,8 @@ checks it against torchvision's own RandAugment draws). locuslab runs the PIL op
 One code path for CPU and CUDA, without host syncs: every op takes per-image parameters, and an image
 that did not draw an op gets its identity parameter (factor 1, 8 bits, threshold 256, the identity
 matrix), which leaves it bit-exact; no op needs the list of images that drew it (boolean indexing
-waits for the GPU). The price: every stage runs on every image, arithmetic that a GPU hides behind the
+waits for the GPU; moco_view alone reads which images drew its costly ops, one host sync a view, to run them on
+those only). The price: every stage runs on every image, arithmetic that a GPU hides behind the
 model's forward pass; what it cannot hide is a kernel launch per op (microseconds each, for tensors of a
 few MB). So ops of one form run as one: RandAugment's five geometric ops as one float64 grid and one
 grid_sample; brightness, color, contrast and sharpness as one blend (ColorJitter's three too); scale 1
@@ -378,3 +379,55 @@ def check_settings(*, scale, randaug_n, randaug_m, jitter, reprob, seed):
             ('seed', seed, integer(seed), 'an integer')):
         if not ok:
             raise ValueError(f'{name} must be {rule}, got {value!r}')
+
+
+# -----------------------------------------------------------------------------
+# MoCo v3's two views (Chen, Xie & He 2021, Appendix A / moco-v3 main_moco.py): BYOL's asymmetric augmentation,
+# batched on the device with each image's draws made for the global batch (train_contrastive.py).
+MOCO_AUG = dict(ratio=(3 / 4, 4 / 3), jitter=(0.4, 0.4, 0.2, 0.1), p_jitter=0.8, p_gray=0.2,
+                blur_sigma=(0.1, 2.0), p_blur=(1.0, 0.1), p_solarize=(0.0, 0.2), p_flip=0.5)
+
+
+def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
+    """View `view` (0 or 1: its blur and solarize probabilities) of the images x_u8 (b, 3, H, W) uint8 ->
+    (b, 3, size, size) normalised. Every draw is made for the global batch of B; this rank keeps rows
+    lo..hi-1, so the views of an image do not depend on the world size."""
+    def rand(*shape, dtype=torch.float32):
+        return torch.rand(B, *shape, generator=gen, device=gen.device, dtype=dtype)[lo:hi]
+
+    b, _, H, W = x_u8.shape
+    # RandomResizedCrop(size, (crop_min, 1), (3/4, 4/3)): the first of torchvision's 10 tries that fits, else whole
+    area = H * W * (crop_min + (1 - crop_min) * rand(10, dtype=torch.float64))
+    lo_r, hi_r = (math.log(r) for r in MOCO_AUG['ratio'])
+    ratio = torch.exp(lo_r + (hi_r - lo_r) * rand(10, dtype=torch.float64))
+    w, h = torch.sqrt(area * ratio).round(), torch.sqrt(area / ratio).round()
+    fits = (w >= 1) & (w <= W) & (h >= 1) & (h <= H)
+    first, any_fit = fits.int().argmax(1, keepdim=True), fits.any(1)
+    w = torch.where(any_fit, w.gather(1, first)[:, 0], float(W))
+    h = torch.where(any_fit, h.gather(1, first)[:, 0], float(H))
+    top = (rand(dtype=torch.float64) * (H - h + 1)).floor()
+    left = (rand(dtype=torch.float64) * (W - w + 1)).floor()
+    flip = rand() < MOCO_AUG['p_flip']
+    # RandomApply(ColorJitter(0.4, 0.4, 0.2, 0.1), p=0.8): factors U(1-j, 1+j), hue offset U(-j, j)
+    u = 2 * rand(4, dtype=torch.float64) - 1
+    factors = torch.stack([(1.0 if i < 3 else 0.0) + j * u[:, i] for i, j in enumerate(MOCO_AUG['jitter'])], 1)
+    order = rand(4).argsort(1)
+    jitter, gray = rand() < MOCO_AUG['p_jitter'], rand() < MOCO_AUG['p_gray']
+    # GaussianBlur, p 1.0 / 0.1, sigma U(0.1, 2.0) px at 224 px, scaled with the view (docstring)
+    s0, s1 = (s * size / 224 for s in MOCO_AUG['blur_sigma'])
+    sigma = s0 + (s1 - s0) * rand()
+    blur = rand() < MOCO_AUG['p_blur'][view]
+    # Solarize at PIL's threshold 128, p 0 / 0.2; threshold 256: the identity
+    threshold = torch.where(rand() < MOCO_AUG['p_solarize'][view], 128.0, 256.0)
+    # the one host sync: which images take which op (9 x b booleans)
+    drawn = torch.cat([torch.stack([jitter, gray, blur]), (order == 3).T & jitter]).cpu()
+    rows = [m.nonzero()[:, 0].to(x_u8.device, non_blocking=True) for m in drawn]  # (a few hundred bytes to the device)
+    x = resized_crop_rect_flip(x_u8.float(), top, left, h, w, size, flip)
+    if len(j := rows[0]):
+        x = x.index_copy(0, j, color_jitter(x[j], factors[j], order[j],
+                                                    [torch.searchsorted(j, r) for r in rows[3:]]))
+    if len(g := rows[1]):
+        x = x.index_copy(0, g, grayscale(x[g]).expand(-1, 3, -1, -1))
+    if len(k := rows[2]):
+        x = x.index_copy(0, k, gaussian_blur(x[k], sigma[k], 2 * round(size / 20) + 1))
+    return normalize(solarize(x, threshold), mean, std)

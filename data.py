@@ -16,8 +16,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from torchvision.transforms import v2
 
 from augment import normalize
-from images import UNREADABLE, check_decoded, load_rgb, reread_reason, unreadable_reason
-from loader import decode_batch, seeded
+from images import UNREADABLE, load_rgb, reread_reason, unreadable_reason
+from loader import seeded
 from utils import UserError, epoch_seed, one_line, score
 
 # -----------------------------------------------------------------------------
@@ -163,19 +163,6 @@ class ImageFolder(torchvision.datasets.ImageFolder):
                 return super().__getitem__(index)
         except UNREADABLE:  # PIL: cannot identify image file, image file is truncated, a decompression bomb, ...
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), -1 - index
-
-
-def on_device(loader, mean, std, fmt=torch.preserve_format):
-    """The loader's uint8 batches normalised on the device of mean, std ((1, 3, 1, 1) tensors): a quarter of the
-    bytes of float32 through shared memory and the copy, non_blocking from pinned memory. An image that could not
-    be decoded (label < 0) is named while the labels are still on the CPU (no host sync). --decode gpu: decode_batch."""
-    for x, y, *rest in loader:
-        if rest:  # bytes, labels, byte counts, seeds, indices
-            x = decode_batch(x, *rest, loader.dataset, mean.device)
-        else:
-            check_decoded(loader.dataset, y)
-        x = normalize(x.to(mean.device, non_blocking=True), mean, std)
-        yield x.contiguous(memory_format=fmt), y.to(mean.device, non_blocking=True)
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):

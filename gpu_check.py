@@ -74,9 +74,6 @@ SYNC = 'called a synchronizing CUDA operation'
 SYNC_WRAPPER = ("import runpy, sys, warnings, torch; warnings.simplefilter('always'); "
                 "torch.cuda.is_available() and torch.cuda.set_sync_debug_mode('warn'); "
                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-# train_contrastive.py's moco_view, loaded from its file in a child (no script imports another), compared here.
-VIEW_WRAPPER = ("import json, runpy, sys, gpu_check; "
-                "print(json.dumps(gpu_check.moco_view_diff(runpy.run_path(sys.argv[1])['moco_view'])))")
 LOCUSLAB = ('locuslab/convmixer-cifar10 README: ~92.5% after 25 epochs, on the original CIFAR-10 release; a JPEG '
             're-encoding runs a little below it (shared/data/README.md). A figure, not a pass/fail')
 
@@ -240,15 +237,9 @@ def augment_ops(args, work):
                                                           reprob=0.25), 'basic': dict(aug='basic')}.items():
         rows[f'Augment.__call__ ({recipe})'] = both(lambda x: augment.make_augment(
             **kw, mean=(0.5,) * 3, std=(0.25,) * 3, device=x.device)(x), device, x)
-    code, err, _ = script(args, 'train_contrastive.py', [], work / 'augment.log', VIEW_WRAPPER)
-    check(code, err, 'the MoCo view comparison')
-    rows.update(json.loads(last_json(work / 'augment.log')))
+    rows.update(moco_view_diff(augment.moco_view))
     return dict(differing_pixels=rows, pixels_per_op=x.numel(), device=str(device),
                 tf32=dict(matmul=torch.backends.cuda.matmul.allow_tf32, cudnn=torch.backends.cudnn.allow_tf32))
-
-
-def last_json(log):  # the JSON line VIEW_WRAPPER printed
-    return next(line for line in reversed(open(log).read().splitlines()) if line.startswith('{'))
 
 
 def moco_view_diff(moco_view):

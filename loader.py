@@ -1,6 +1,6 @@
 """The ImageNet loader's parts that are not the data set: loader workers per process from the node, the training
 transform, per-image seeding, and --decode gpu (the files' bytes from the workers, decoded and transformed on the
-device). data.ImageFolder and data.on_device use them; train_imagenet.py, train_contrastive.py and bench.py too."""
+device), and on_device, the batches' last stage. data.ImageFolder uses them; train_imagenet.py, train_contrastive.py and bench.py too."""
 import contextlib
 import os
 
@@ -8,6 +8,8 @@ import torch
 import torchvision
 from torchvision.transforms import v2
 
+from augment import normalize
+from images import check_decoded
 from utils import UserError
 
 
@@ -71,3 +73,16 @@ def decode_batch(data, sizes, seeds, index, dataset, device):
         with seeded(seed if seed >= 0 else None):
             out.append(dataset.transform(image))
     return torch.stack(out)
+
+
+def on_device(loader, mean, std, fmt=torch.preserve_format):
+    """The loader's uint8 batches normalised on the device of mean, std ((1, 3, 1, 1) tensors): a quarter of the
+    bytes of float32 through shared memory and the copy, non_blocking from pinned memory. An image that could not
+    be decoded (label < 0) is named while the labels are still on the CPU (no host sync). --decode gpu: decode_batch."""
+    for x, y, *rest in loader:
+        if rest:  # bytes, labels, byte counts, seeds, indices
+            x = decode_batch(x, *rest, loader.dataset, mean.device)
+        else:
+            check_decoded(loader.dataset, y)
+        x = normalize(x.to(mean.device, non_blocking=True), mean, std)
+        yield x.contiguous(memory_format=fmt), y.to(mean.device, non_blocking=True)

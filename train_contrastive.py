@@ -11,7 +11,7 @@ ViT-S/16 77.0 -> 78.1, ViT-B/16 77.4 -> 80.0 [unchecked: the framework, epochs a
 could not be read here]. Followed: MoCo v3, the standard for ViTs (Chen, Xie & He 2021, "An Empirical
 Study of Training Self-Supervised Vision Transformers"; facebookresearch/moco-v3 main_moco.py,
 moco/builder.py, moco/loader.py, vits.py, CONFIG.md): two views with BYOL's asymmetric augmentations
-(AUG); f_q = ViT + 3-layer projector + 2-layer predictor, f_k = EMA of f_q with momentum 0.99 -> 1 by a
+(augment.moco_view); f_q = ViT + 3-layer projector + 2-layer predictor, f_k = EMA of f_q with momentum 0.99 -> 1 by a
 half cosine, BN over the global batch; loss ctr(q1, k2) + ctr(q2, k1), ctr = 2 tau InfoNCE over all
 ranks' keys, tau 0.2; AdamW lr 1.5e-4 * batch / 256, wd 0.1, 40 warm-up epochs, cosine, 300 epochs,
 batch 4096; frozen random patch projection (Sec. 4.2) and fixed 2-D sin-cos position embedding.
@@ -57,8 +57,6 @@ from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, e
                    leave, one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
 
 # BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
-AUG = dict(ratio=(3 / 4, 4 / 3), jitter=(0.4, 0.4, 0.2, 0.1), p_jitter=0.8, p_gray=0.2,
-           blur_sigma=(0.1, 2.0), p_blur=(1.0, 0.1), p_solarize=(0.0, 0.2), p_flip=0.5)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 ARCH = ('dataset', 'model', 'model_kw', 'img_size', 'proj_hidden', 'proj_dim', 'pos_embed', 'freeze_patch_embed')
 RUN_KEYS = {'model', 'moco', 'optimizer', 'scaler', 'epoch', 'step', 'history', 'args'}  # what last.pt holds
@@ -158,51 +156,6 @@ def get_args(argv=None):
 # Every draw first, in torchvision's order; then one host sync reads which images drew jitter, grey, blur and
 # where in the jitter order hue runs, and each of those ops runs on those images only (they are per image: the
 # same pixels as running it on all and keeping it where drawn, tests/test_fast_input.py; README, Performance).
-def moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
-    """View `view` (0 or 1: its blur and solarize probabilities) of the images x_u8 (b, 3, H, W) uint8 ->
-    (b, 3, size, size) normalised. Every draw is made for the global batch of B; this rank keeps rows
-    lo..hi-1, so the views of an image do not depend on the world size."""
-    def rand(*shape, dtype=torch.float32):
-        return torch.rand(B, *shape, generator=gen, device=gen.device, dtype=dtype)[lo:hi]
-
-    b, _, H, W = x_u8.shape
-    # RandomResizedCrop(size, (crop_min, 1), (3/4, 4/3)): the first of torchvision's 10 tries that fits, else whole
-    area = H * W * (crop_min + (1 - crop_min) * rand(10, dtype=torch.float64))
-    lo_r, hi_r = (math.log(r) for r in AUG['ratio'])
-    ratio = torch.exp(lo_r + (hi_r - lo_r) * rand(10, dtype=torch.float64))
-    w, h = torch.sqrt(area * ratio).round(), torch.sqrt(area / ratio).round()
-    fits = (w >= 1) & (w <= W) & (h >= 1) & (h <= H)
-    first, any_fit = fits.int().argmax(1, keepdim=True), fits.any(1)
-    w = torch.where(any_fit, w.gather(1, first)[:, 0], float(W))
-    h = torch.where(any_fit, h.gather(1, first)[:, 0], float(H))
-    top = (rand(dtype=torch.float64) * (H - h + 1)).floor()
-    left = (rand(dtype=torch.float64) * (W - w + 1)).floor()
-    flip = rand() < AUG['p_flip']
-    # RandomApply(ColorJitter(0.4, 0.4, 0.2, 0.1), p=0.8): factors U(1-j, 1+j), hue offset U(-j, j)
-    u = 2 * rand(4, dtype=torch.float64) - 1
-    factors = torch.stack([(1.0 if i < 3 else 0.0) + j * u[:, i] for i, j in enumerate(AUG['jitter'])], 1)
-    order = rand(4).argsort(1)
-    jitter, gray = rand() < AUG['p_jitter'], rand() < AUG['p_gray']
-    # GaussianBlur, p 1.0 / 0.1, sigma U(0.1, 2.0) px at 224 px, scaled with the view (docstring)
-    s0, s1 = (s * size / 224 for s in AUG['blur_sigma'])
-    sigma = s0 + (s1 - s0) * rand()
-    blur = rand() < AUG['p_blur'][view]
-    # Solarize at PIL's threshold 128, p 0 / 0.2; threshold 256: the identity
-    threshold = torch.where(rand() < AUG['p_solarize'][view], 128.0, 256.0)
-    # the one host sync: which images take which op (9 x b booleans)
-    drawn = torch.cat([torch.stack([jitter, gray, blur]), (order == 3).T & jitter]).cpu()
-    rows = [m.nonzero()[:, 0].to(x_u8.device, non_blocking=True) for m in drawn]  # (a few hundred bytes to the device)
-    x = augment.resized_crop_rect_flip(x_u8.float(), top, left, h, w, size, flip)
-    if len(j := rows[0]):
-        x = x.index_copy(0, j, augment.color_jitter(x[j], factors[j], order[j],
-                                                    [torch.searchsorted(j, r) for r in rows[3:]]))
-    if len(g := rows[1]):
-        x = x.index_copy(0, g, augment.grayscale(x[g]).expand(-1, 3, -1, -1))
-    if len(k := rows[2]):
-        x = x.index_copy(0, k, augment.gaussian_blur(x[k], sigma[k], 2 * round(size / 20) + 1))
-    return augment.normalize(augment.solarize(x, threshold), mean, std)
-
-
 # -----------------------------------------------------------------------------
 # Model: MoCo v3 (Chen, Xie & He 2021, Sec. 3, Alg. 1) around vit.py's VisionTransformer.
 def build_backbone(args):
@@ -525,8 +478,8 @@ def main(argv=None):
                     group['lr'] = lr
                 x = decoded_images(next(loader), data['train'].dataset).to(device, non_blocking=True) if loader else \
                     data['train'][perm[i * B + rank * b:i * B + (rank + 1) * b]]  # rank r's slice of global batch i
-                x1, x2 = (moco_view(x, gen, B, rank * b, (rank + 1) * b, v, args.img_size, args.crop_min, mean, std)
-                          for v in (0, 1))
+                x1, x2 = (augment.moco_view(x, gen, B, rank * b, (rank + 1) * b, v, args.img_size, args.crop_min, mean,
+                                            std) for v in (0, 1))
                 with torch.no_grad(), autocast:  # the keys: targets from f_k, once per step (both SAM passes)
                     k1, k2 = moco.momentum_encoder(x1), moco.momentum_encoder(x2)
                 # SAM (Foret et al. Alg. 1, sam.py), as train_cifar.py: eps-hat from this rank's batch (m-sharpness)

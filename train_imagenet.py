@@ -28,8 +28,8 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 from augment import random_erasing
-from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform, on_device
-from loader import collate_bytes, node_workers, train_transform
+from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform
+from loader import collate_bytes, node_workers, on_device, train_transform
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
 from runs import discard_new_dirs, load_optimizer_state, prepare_out, read_checkpoint, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass

@@ -260,12 +260,12 @@ def test_view_applies_ops_with_their_probabilities(images, monkeypatch):
     """With every other op off and whole-image crops, view 0 never solarizes (p 0) and view 1 does
     on ~20% of the images (p 0.2); the flip on ~50%."""
     for key, value in (('p_jitter', 0.0), ('p_gray', 0.0), ('p_blur', (0.0, 0.0)), ('ratio', (1.0, 1.0))):
-        monkeypatch.setitem(tc.AUG, key, value)
+        monkeypatch.setitem(augment.MOCO_AUG, key, value)
     x = images.repeat(10, 1, 1, 1).float()  # 2,000 images
     mean, std = torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)
     g = torch.Generator().manual_seed(3)
     for view, p in ((0, 0.0), (1, 0.2)):
-        v = (255 * tc.moco_view(x, g, len(x), 0, len(x), view, 32, 1.0, mean, std)).round()  # crop_min 1: whole
+        v = (255 * augment.moco_view(x, g, len(x), 0, len(x), view, 32, 1.0, mean, std)).round()  # crop_min 1: whole
         sol = torch.where(x >= 128, 255 - x, x)  # PIL's solarize
         match = lambda ref: (v == ref).flatten(1).all(1)
         kept, solarized = match(x) | match(x.flip(3)), match(sol) | match(sol.flip(3))

@@ -25,7 +25,7 @@ def old_color_jitter(x, factors, order):
 
 
 def old_moco_view(x_u8, gen, B, lo, hi, view, size, crop_min, mean, std):
-    AUG = tc.AUG
+    AUG = augment.MOCO_AUG
 
     def rand(*shape, dtype=torch.float32):
         return torch.rand(B, *shape, generator=gen, device=gen.device, dtype=dtype)[lo:hi]
@@ -70,7 +70,7 @@ def test_moco_view_equals_the_function_it_replaced(side, size, B, lo, hi):
     mean, std = torch.tensor(tc.IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(tc.IMAGENET_STD).view(1, 3, 1, 1)
     for view in (0, 1):
         g_new, g_old = torch.Generator().manual_seed(7 + view), torch.Generator().manual_seed(7 + view)
-        new = tc.moco_view(x, g_new, B, lo, hi, view, size, 0.08, mean, std)
+        new = augment.moco_view(x, g_new, B, lo, hi, view, size, 0.08, mean, std)
         old = old_moco_view(x, g_old, B, lo, hi, view, size, 0.08, mean, std)
         assert torch.equal(new, old), (view, (new - old).abs().max())
         assert torch.equal(g_new.get_state(), g_old.get_state())
@@ -87,7 +87,7 @@ def test_moco_view_runs_hue_grey_and_blur_on_the_images_that_drew_them_only(monk
         monkeypatch.setattr(augment, name, counted)
     B = 400
     x, mean, std = natural(B, 40), torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)
-    tc.moco_view(x, torch.Generator().manual_seed(0), B, 0, B, 1, 32, 0.08, mean, std)
+    augment.moco_view(x, torch.Generator().manual_seed(0), B, 0, B, 1, 32, 0.08, mean, std)
     # draws: p_jitter 0.8, p_gray 0.2 (grayscale also runs inside each jitter slot's blend: 4 per jittered image),
     # p_blur 0.1 in view 1; binomial(400, p) within 5 standard deviations
     for got, p, per in ((seen['adjust_hue'], 0.8, 1), (seen['gaussian_blur'], 0.1, 1)):
@@ -225,7 +225,7 @@ def test_decode_gpu_on_the_cpu_device_matches_the_pil_path(jpeg_folder, recipe, 
     batches = torch.utils.data.DataLoader(raw, batch_size=5, sampler=items, num_workers=2,
                                           collate_fn=loader.collate_bytes)
     mean, std = torch.zeros(1, 3, 1, 1), torch.full((1, 3, 1, 1), 1 / 255)  # normalize() then gives 0..255 back
-    got = torch.cat([x for x, _ in data.on_device(batches, mean, std)]).round().to(torch.uint8)
+    got = torch.cat([x for x, _ in loader.on_device(batches, mean, std)]).round().to(torch.uint8)
     diff = (got.int() - want.int()).abs()
     assert diff.max() <= max_diff and (diff > 1).float().mean() <= frac_over_1
     if recipe == 'sam':  # and the evaluation transform (resize, centre crop)

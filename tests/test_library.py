@@ -322,6 +322,7 @@ def test_a_decompression_bomb_or_16_bit_image_in_an_image_folder(cifar10_dir, tm
     import shutil
     import data
     from conftest import write_bomb_png
+    import loader as loader_module
     from PIL import Image
     root = tmp_path / 'set'
     for c in sorted((cifar10_dir / 'test').iterdir())[:2]:
@@ -344,7 +345,7 @@ def test_a_decompression_bomb_or_16_bit_image_in_an_image_folder(cifar10_dir, tm
     loader = torch.utils.data.DataLoader(data.ImageFolder(root, 'val', data.eval_transform(32, 1.0, to_float=False),
                                                           32), batch_size=8, num_workers=1)
     with pytest.raises(data.UserError, match=r"cannot decode the image .*zz_bomb.png \(it has more than"):
-        list(data.on_device(loader, torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)))
+        list(loader_module.on_device(loader, torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)))
 
 
 def test_an_image_of_32_bit_or_float_pixels_is_refused_naming_its_mode(tmp_path):
