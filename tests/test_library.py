@@ -15,7 +15,7 @@ import models
 import vit
 from conftest import REPO
 
-LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment'}
+LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment', 'hessian'}
 LIBRARY = {'utils': {'runs', 'data', 'models', 'figures'}, 'runs': {'data', 'models', 'figures'},
            'data': {'models', 'figures'}, 'models': {'figures'}, 'figures': {'data', 'models'}}
 # (module: the library modules it may NOT import: utils < runs < data < models, runs < figures; no cycles)
