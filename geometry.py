@@ -531,13 +531,14 @@ def measure_hessian(args, proc, model, loads, size, log):
         figures.spectral_density([(torch.tensor(r['density']['nodes']), torch.tensor(r['density']['weights']))
                                   for r in reps], os.path.join(args.out, 'hessian_density.png'))
     if args.compare:
-        out['compare'] = compare_hessian(model, *(t.to(proc.device) for t in loads[0]), args.seed, proc.log)
+        out['compare'] = compare_hessian(model, *(t.to(proc.device) for t in loads[0]), args.seed, proc.log,
+                                         args.iters)
     return dict(out, top_k=args.top_k, iters=args.iters, tol=args.tol, note='eigenvalues: the --top-k largest '
                 'algebraic (Lanczos, full reorthogonalisation; lambda_max the first); trace: Hutchinson (Rademacher), '
                 'trace_se its standard error; density: SLQ nodes and weights; repeats: disjoint image subsets')
 
 
-def compare_hessian(model, x, y, seed, say, reach=1e-4, most=300):
+def compare_hessian(model, x, y, seed, say, most=100, reach=1e-4):
     """`hessian --compare`: products and seconds until lambda_max is within `reach` (relative) of the reference
     (Lanczos to a residual of 1e-10): Lanczos, power iteration, PyHessian 0.1's eigenvalues() (its power iteration),
     on the same model, images (one batch: PyHessian's single-batch path keeps the gradient's graph, as our 'cached'
@@ -551,7 +552,7 @@ def compare_hessian(model, x, y, seed, say, reach=1e-4, most=300):
         t0 = time.perf_counter()
         matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
         build, v0 = time.perf_counter() - t0, hessian.start_vector(params, seed)
-        ref = hessian.lanczos(matvec, v0, 1, most, 1e-10)['eigenvalues'][0]
+        ref = hessian.lanczos(matvec, v0, 1, 300, 1e-10)['eigenvalues'][0]
         for name, run in (('Lanczos', lambda log: hessian.lanczos(matvec, v0, 1, most, reach, progress=log)['history']),
                           ('power iteration', lambda log: hessian.power_iteration(  # (runs on past the reach)
                               matvec, v0, most, reach / 100, progress=log)[2])):
@@ -568,7 +569,8 @@ def compare_hessian(model, x, y, seed, say, reach=1e-4, most=300):
             t1 = time.perf_counter()
             lam = ph.eigenvalues(maxIter=steps, tol=0.0)[0][0]  # tol 0: exactly `steps` products
             t2 = time.perf_counter()
-        rows['PyHessian 0.1'] = dict(hvps=steps if abs(lam - ref) <= reach * abs(ref) else None, seconds=t2 - t0,
+        reached = abs(lam - ref) <= reach * abs(ref)
+        rows['PyHessian 0.1'] = dict(hvps=steps if reached else None, seconds=t2 - t0 if reached else None,
                                      s_per_hvp=(t2 - t1) / steps, lambda_max=lam)
         for p in params:  # PyHessian leaves the create_graph gradient (and its graph) in .grad
             p.grad = None

