@@ -505,7 +505,7 @@ def mean_std(reps):  # {k_mean, k_std} over repeats (std with n - 1) of lambda_m
     return out
 
 
-def measure_hessian(args, proc, model, loads, size, log):
+def measure_hessian(args, proc, model, loads, n, size, log):
     """hessian's JSON: per repeat (its images; probes from --seed + j) the spectrum of the whole Hessian and of each
     block (--blocks); with --repeats > 1 the repeats under `repeats` and the mean and std over them."""
     if args.compare and proc.world > 1:
@@ -514,7 +514,7 @@ def measure_hessian(args, proc, model, loads, size, log):
     for j, (x, y) in enumerate(loads):
         batches = [(xb.to(proc.device), yb.to(proc.device)) for xb, yb in zip(x.split(size), y.split(size))]
         hvp = ('cached' if len(batches) == 1 else 'reverse') if args.hvp == 'auto' else args.hvp
-        rep = dict(images=int(all_sum(torch.tensor([len(x)], device=proc.device)).item()), seed=args.seed + j, hvp=hvp)
+        rep = dict(images=len(range(j, n, len(loads))), seed=args.seed + j, hvp=hvp)  # images j, j + R, ... of n
         for name, params in blocks:
             r = hessian_spectrum(model, F.cross_entropy, batches, params, args.top_k, args.iters, args.tol, args.trace,
                                  args.density, args.seed + j, hvp, progress=log)
@@ -606,7 +606,7 @@ def measure(args, proc, model, info, path, drawn):
     start, log = time.time(), progress_printer(args.command) if proc.master else None
     if args.command == 'hessian':
         with evaluating(model):  # (eval mode, as PyHessian)
-            info.update(measure_hessian(args, proc, model, loads, size, log), batch_size=size)
+            info.update(measure_hessian(args, proc, model, loads, n, size, log), batch_size=size)
     elif args.command == 'ntk':
         calibrated = not args.checkpoint and calibrate_batchnorm_(model, [(x,)])
         chunk = ntk_chunk(model, x, args.reduce, args.chunk, free_memory(proc.device))  # before any Jacobian
