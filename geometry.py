@@ -36,8 +36,8 @@ from data import MEAN, STD, balanced_subset, evaluate, load_cifar
 from models import build_model, load_model, load_weights, parse_model_kw, zero_head
 from runs import prepare_out, save_atomic
 from hessian import hessian_eigenvalue, hessian_spectrum
-from utils import (UserError, check_ranges, fit, fmt_time, free_memory, init_group, leave, progress_printer, saved_bytes,
-                   setup)
+from utils import (UserError, check_ranges, fit, fmt_time, free_memory, init_group, leave, progress_printer,
+                   saved_bytes, setup)
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 PRECISION = 'fp32, TF32 off'
@@ -435,9 +435,10 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     has = lambda *keys: [k for k in keys if hasattr(args, k)]  # noqa: E731  (each sub-command has some of them)
     sized = ['batch_size'] if args.command == 'hessian' else []  # (0: sized from the free memory)
-    check_ranges(args, has('images', 'iters', 'top_k', 'repeats', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n', 'hessian_repeats',
-                           'span', 'epochs_scale', *{'batch_size'} - set(sized)),
-                 has('chunk', 'train_subset', 'tol', 'corruption_n', 'trace', 'density', *sized), dict(corruption_n=10_000))
+    check_ranges(args, has('images', 'iters', 'top_k', 'repeats', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n',
+                           'hessian_repeats', 'span', 'epochs_scale', *{'batch_size'} - set(sized)),
+                 has('chunk', 'train_subset', 'tol', 'corruption_n', 'trace', 'density', *sized),
+                 dict(corruption_n=10_000))
     if getattr(args, 'steps', 2) < 2 or not all(math.isfinite(v) and v >= 0 for v in getattr(args, 'sigma', [])):
         raise UserError('--steps must be >= 2 (a grid through 0) and --sigma finite and >= 0')
     if os.path.isfile(args.out):
@@ -575,8 +576,8 @@ def compare_hessian(model, x, y, seed, say, most=100, reach=1e-4):
         for p in params:  # PyHessian leaves the create_graph gradient (and its graph) in .grad
             p.grad = None
     for name, r in rows.items():
-        say(f"  compare | {name:16s} | {r['hvps'] or f'> {most}'} HVPs | {r['seconds'] or math.nan:.2f} s to lambda_max "
-            f"within {reach:g} | {r['s_per_hvp']:.3f} s per HVP | lambda {r['lambda_max']:.8g} (reference {ref:.8g})")
+        say(f"  compare | {name:16s} | {r['hvps'] or f'> {most}'} HVPs | {r['seconds'] or math.nan:.2f} s to "
+            f"lambda_max within {reach:g} | {r['s_per_hvp']:.3f} s per HVP | lambda {r['lambda_max']:.8g} (reference {ref:.8g})")
     return dict(reference=ref, reach=reach, rows=rows, images=len(x))
 
 
@@ -726,7 +727,7 @@ def measure_run(args, run, family, d, log):
         model = build_model(args.table[family][0], 10, 32, parse_model_kw(args.table[family][1]), cifar=True)
         load_weights(model, os.path.join(folder, 'last.pt'))
         model.to(d['device'])
-        if 'lambda_max_std' not in m:  # Lanczos to PyHessian's tol (20 HVPs at most), Hutchinson's tr H, --hessian-repeats
+        if 'lambda_max_std' not in m:  # Lanczos to PyHessian's tol (<= 20 HVPs), Hutchinson's tr H, --hessian-repeats
             hx, hy, r = (*(torch.cat(t) for t in zip(*d['hessian'])), args.hessian_repeats)  # disjoint, classes mixed
             parts = [list(zip(hx[j::r].split(250), hy[j::r].split(250))) for j in range(r)]
             with evaluating(model):

@@ -19,7 +19,7 @@ LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment', 'hessian'}
 LIBRARY = {'utils': {'runs', 'data', 'models', 'figures'}, 'runs': {'data', 'models', 'figures'},
            'data': {'models', 'figures'}, 'models': {'figures'}, 'figures': {'data', 'models'}}
 # (module: the library modules it may NOT import: utils < runs < data < models, runs < figures; no cycles)
-SCRIPTS = {'train_cifar': 420, 'train_imagenet': 450, 'train_contrastive': 550, 'geometry': 700, 'robustness': 600,
+SCRIPTS = {'train_cifar': 420, 'train_imagenet': 450, 'train_contrastive': 550, 'geometry': 810, 'robustness': 600,
            'bench': 320, 'gpu_check': 300}  # lines: the reading targets; "a little over is fine where the code earns it": 5%
 OUTSIDE = {'torch', 'torchvision', 'einops', 'numpy'}  # what a leaf may import, besides the standard library
 
