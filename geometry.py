@@ -577,7 +577,8 @@ def compare_hessian(model, x, y, seed, say, most=100, reach=1e-4):
             p.grad = None
     for name, r in rows.items():
         say(f"  compare | {name:16s} | {r['hvps'] or f'> {most}'} HVPs | {r['seconds'] or math.nan:.2f} s to "
-            f"lambda_max within {reach:g} | {r['s_per_hvp']:.3f} s per HVP | lambda {r['lambda_max']:.8g} (reference {ref:.8g})")
+            f"lambda_max within {reach:g} | {r['s_per_hvp']:.3f} s per HVP | lambda {r['lambda_max']:.8g} "
+            f"(reference {ref:.8g})")
     return dict(reference=ref, reach=reach, rows=rows, images=len(x))
 
 
