@@ -18,7 +18,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, jacrev, vmap
@@ -35,7 +34,7 @@ from augment import normalize
 from data import MEAN, STD, balanced_subset, evaluate, load_cifar
 from models import build_model, load_model, load_weights, parse_model_kw, zero_head
 from runs import prepare_out, save_atomic
-from hessian import hessian_eigenvalue, hessian_spectrum
+from hessian import hessian_eigenvalue, hessian_spectrum  # noqa: F401 (importable from here, as before)
 from utils import (UserError, check_ranges, fit, fmt_time, free_memory, init_group, leave, progress_printer,
                    saved_bytes, setup)
 
