@@ -232,3 +232,26 @@ def test_readme_ntk_commands_run_on_this_cpu(cifar10_dir, tmp_path):
         argv[argv.index('--out') + 1] = str(tmp_path / str(i))
         G.main(argv)
         assert json.loads((tmp_path / str(i) / 'ntk.json').read_text())['kappa'] > 1
+
+
+def test_repeats_under_torchrun_equal_one_process(cifar10_dir, tmp_path, one_thread):
+    """--repeats 2 on 24 images with 3 gloo processes: each repeat's 12 images split 4 / 4 / 4 (batches of the
+    one-process run), every quantity of every repeat equal to one process's to 1e-6."""
+    import os
+    import subprocess
+    import sys
+    from test_geometry import free_port
+    common = ['hessian', '--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=1', 'heads=2', '--data',
+              str(cifar10_dir), '--images', '24', '--batch-size', '4', '--repeats', '2', '--iters', '4', '--tol', '0',
+              '--top-k', '2', '--trace', '2']
+    G.main([*common, '--out', str(tmp_path / 'one')])
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': ''}
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '3', '--master_port',
+                        str(free_port()), 'geometry.py', *common, '--out', str(tmp_path / 'many')], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, many = (json.loads((tmp_path / d / 'hessian.json').read_text()) for d in ('one', 'many'))
+    read = lambda d: torch.tensor([v for rep in d['repeats'] for v in (*rep['eigenvalues'], rep['trace'])],  # noqa
+                                  dtype=torch.float64)
+    assert [rep['images'] for rep in many['repeats']] == [12, 12] and many['processes'] == 3
+    assert torch.allclose(read(many), read(one), rtol=1e-6, atol=0)
