@@ -598,7 +598,8 @@ def measure(args, proc, model, info, path, drawn):
         p = sum(p.numel() * p.element_size() for p in model.parameters())
         size = fit(per_image, (args.iters + 8) * p + 8 * 2 * p, free_memory(proc.device), len(loads[0][0]),
                    f'hessian (--iters {args.iters} Lanczos vectors, {per_image / 2 ** 30:.2f} GiB per image)')
-    batches = [(xb.to(proc.device), yb.to(proc.device)) for xb, yb in zip(x.split(size), y.split(size))]
+    batches = [(xb.to(proc.device), yb.to(proc.device)) for xb, yb in zip(x.split(size), y.split(size))
+               if args.command != 'hessian']  # (hessian: per repeat, measure_hessian)
     x = x.to(proc.device) if args.command in ('ntk', 'attention') else None
     info.update(split=args.split, n=n, device=str(proc.device), processes=proc.world, precision=PRECISION)
     os.makedirs(args.out, exist_ok=True)
