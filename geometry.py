@@ -18,26 +18,26 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, jacrev, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.utils import parameters_to_vector
 from torchvision.datasets.folder import find_classes
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 import convmixer
 import data
 import figures
+import hessian
 import mixer
 import vit
 from augment import normalize
 from data import MEAN, STD, balanced_subset, evaluate, load_cifar
+from hessian import hessian_eigenvalue, hessian_spectrum  # noqa: F401 (importable from here, as before)
 from models import build_model, imagenet_only, load_model, load_weights, parse_model_kw, run_dataset, zero_head
 from runs import prepare_out, read_checkpoint, read_json, save_atomic, stored_args
-from utils import (UserError, check_ranges, check_shared_ranges, first_set, fmt_time, init_group, leave, one_line,
-                   progress_printer, setup)
+from utils import (UserError, check_ranges, check_shared_ranges, first_set, fit, fmt_time, free_memory, init_group,
+                   leave, one_line, progress_printer, saved_bytes, setup)
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 PRECISION = 'fp32, TF32 off'
@@ -54,8 +54,7 @@ def evaluating(model):  # model.eval() for the duration, then the old mode (the 
         model.train(was_training)
 
 
-def all_sum(t):  # t summed over torchrun's processes, in place (each holds a slice of the images), else t
-    return dist.all_reduce(t) or t if dist.is_available() and dist.is_initialized() else t
+all_sum = hessian.all_sum  # t summed over torchrun's processes, in place (each holds a slice of the images), else t
 
 
 @torch.no_grad()
@@ -95,58 +94,6 @@ def param_blocks(model):
     return groups
 
 
-def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4, seed=0, *, progress=None,
-                       report=None):
-    """The dominant eigenvalue of the Hessian of the mean loss over `batches` (a re-iterable of (x, y);
-    loss_fn(model(x), y) a batch mean; batches weighted by size, as PyHessian does over a loader).
-    params: a block of parameters (param_blocks()) for that diagonal block of the Hessian; default all.
-    Power iteration as PyHessian (pyhessian/hessian.py): v <- Hv / ||Hv||, Hessian-vector products by
-    double backward, the Rayleigh quotient v^T H v as the estimate, stop at a relative change < tol
-    (PyHessian: 1e-3). It finds the eigenvalue of largest magnitude and keeps its sign. Eval mode. Under torchrun
-    H v sums every process's images; all start from the same v (a seeded CPU generator). (Not finite differences
-    of gradients: across ReLU kinks they measure another quantity; on resnet20 at init v^T H v was 0.015 by double
-    backward, -0.146 by differences of the loss at h = 1e-4, float64.)"""
-    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
-    batches, dev = list(batches), params[0].device
-    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64, device=dev)).item()
-
-    def hvp(v):  # H v = d/dw <grad L(w), v>, summed over batches (and processes) weighted by size, in float64
-        out = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64, device=dev)
-        for x, y in batches:
-            with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels (CUDA) have no double backward
-                grads = torch.autograd.grad(loss_fn(model(x), y), params, create_graph=True, allow_unused=True)
-                dot = sum((g * u).sum() for g, u in zip(grads, v) if g is not None and g.requires_grad)
-                # not a tensor: the gradient does not depend on these weights, H v = 0
-                hv = torch.autograd.grad(dot, params, allow_unused=True) if torch.is_tensor(dot) else []
-            for o, h in zip(out.split([p.numel() for p in params]), hv):
-                if h is not None:
-                    o.add_(h.flatten(), alpha=len(x) / n)
-        all_sum(out)  # one flat tensor per iteration
-        return [o.view_as(p).to(p.dtype) for o, p in zip(out.split([p.numel() for p in params]), params)]
-
-    gen = torch.Generator().manual_seed(seed)
-    v = [torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) for p in params]
-    v = [u / parameters_to_vector(v).norm() for u in v]
-    eig, start = None, time.time()
-    with evaluating(model):
-        for i in range(iters):
-            hv = hvp(v)
-            norm, new = torch.stack([parameters_to_vector(hv).norm(),  # one read per iteration
-                                     sum((h * u).sum() for h, u in zip(hv, v))]).tolist()  # Rayleigh, ||v|| = 1
-            if norm == 0:  # H v = 0 for a random v: this block of the Hessian is 0 (e.g. behind a zero head)
-                return 0.0
-            change = abs(new - eig) / (abs(eig) + 1e-6) if eig is not None else float('inf')
-            eig, v = new, [h / norm for h in hv]
-            if progress:
-                progress(f'power iteration {i + 1}/{iters} | lambda {eig:.6g} | rel. change {change:.1e} '
-                         f'| {time.time() - start:.0f} s')
-            if change < tol:
-                break
-    if report is not None:  # whether it stopped at tol, or at iters with a value that may be far off (issue 34)
-        report.update(iterations=i + 1, converged=change < tol)
-    return eig
-
-
 # ----------------------------------------------------------------------------- 2. NTK condition number
 def empirical_ntk(model, x, reduce='trace', chunk=None, *, progress=None):
     """The empirical NTK Theta = J J^T on the images x (n, 3, H, W), float64, eval mode (Xiao et al. 2020).
@@ -155,7 +102,8 @@ def empirical_ntk(model, x, reduce='trace', chunk=None, *, progress=None):
     reduce='full':  (nC, nC), row i*C + c: a linear model gives X X^T (x) I.
     All trainable parameters (AsViT keeps only 'weight' tensors). Eval-mode BatchNorm makes each image's
     Jacobian its own, so chunking is exact. chunk: per-image Jacobians of `chunk` images at a time, two chunks
-    held (2 x chunk x C x P floats), at the cost of recomputing: k(k+1)/2 chunk Jacobians for k chunks."""
+    held (2 x chunk x C x P float64; one chunk: one), at the cost of recomputing: k(k+1)/2 chunk Jacobians for k
+    chunks; each built straight into its float64 buffer, chunk / 8 images' float32 Jacobians at a time."""
     if reduce not in ('trace', 'sum', 'full'):
         raise ValueError(f"reduce must be 'trace', 'sum' or 'full', got {reduce!r}")
     params = {k: p.detach() for k, p in model.named_parameters() if p.requires_grad}
@@ -165,22 +113,29 @@ def empirical_ntk(model, x, reduce='trace', chunk=None, *, progress=None):
         out = functional_call(model, (p, buffers), (xi[None],))[0]
         return out.sum() if reduce == 'sum' else out
 
-    def jac(xs):  # (m, C, P) ('sum': (m, 1, P)), float64: kappa reaches 1e6 and more
-        with sdpa_kernel(SDPBackend.MATH):  # vmap of the fused attention kernels' backward is not implemented
-            j = vmap(jacrev(f), in_dims=(None, 0))(params, xs)
-        return torch.cat([t.reshape(len(xs), 1, -1) if reduce == 'sum' else t.flatten(2) for t in j.values()],
-                         dim=2).double()
+    def jac(xs, out):  # out[:len(xs)] = the (m, C, P) Jacobian ('sum': (m, 1, P)) in float64 (kappa reaches 1e6)
+        for i in range(0, len(xs), sub):  # `sub` images' float32 Jacobian at a time, copied into the one buffer
+            with sdpa_kernel(SDPBackend.MATH):  # vmap of the fused attention kernels' backward is not implemented
+                j = vmap(jacrev(f), in_dims=(None, 0))(params, xs[i:i + sub])
+            o = 0
+            for t in j.values():
+                t = t.reshape(len(t), out.shape[1], -1)
+                out[i:i + len(t), :, o:o + t.shape[2]] = t
+                o += t.shape[2]
+        return out[:len(xs)]
 
-    chunks = x.split(chunk or len(x))
-    start = [0, *itertools.accumulate(map(len, chunks))]
+    chunks, P = x.split(chunk or len(x)), sum(p.numel() for p in params.values())
+    start, sub = [0, *itertools.accumulate(map(len, chunks))], max(1, len(chunks[0]) // 8)
+    with evaluating(model), torch.no_grad():
+        c = 1 if reduce == 'sum' else model(x[:1]).shape[1]
+    bufs = [torch.empty(len(chunks[0]), c, P, dtype=torch.float64, device=x.device) for _ in chunks[:2]]
+    c = c if reduce == 'full' else 1
+    theta = torch.empty(len(x) * c, len(x) * c, dtype=torch.float64, device=x.device)
     with evaluating(model):
         for a, xa in enumerate(chunks):
-            ja = jac(xa)
-            if a == 0:
-                c = ja.shape[1] if reduce == 'full' else 1
-                theta = torch.empty(len(x) * c, len(x) * c, dtype=torch.float64, device=ja.device)
+            ja = jac(xa, bufs[0])
             for b in range(a, len(chunks)):
-                jb = ja if b == a else jac(chunks[b])
+                jb = ja if b == a else jac(chunks[b], bufs[1])
                 block = (torch.einsum('icp,jcp->ij', ja, jb) if reduce != 'full'
                          else torch.einsum('icp,jdp->icjd', ja, jb).flatten(2).flatten(0, 1))
                 ia, ib = slice(start[a] * c, start[a + 1] * c), slice(start[b] * c, start[b + 1] * c)
@@ -240,20 +195,21 @@ def filter_normalized_directions(model, generator):
         if p.dim() <= 1:
             dirs.append(torch.zeros_like(p))
             continue
-        d = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device)
+        d = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=generator.device).to(p.device)
         scale = p.detach().flatten(1).norm(dim=1) / (d.flatten(1).norm(dim=1) + 1e-10)  # per filter
         dirs.append(d * scale.view(-1, *[1] * (p.dim() - 1)))
     return dirs
 
 
-def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, *, progress=None):
+def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, noise_device='cpu', *, progress=None):
     """The loss at w + a d1 (+ b d2) on `steps` points per axis in [-span, span], filter-normalised
     directions from `seed` (the same seed draws the same Gaussians for two models of one architecture).
     Eval mode; the model's weights are never touched (functional_call). Returns (coords (steps,),
-    losses (steps,) or (steps, steps) indexed [a, b])."""
+    losses (steps,) or (steps, steps) indexed [a, b]). noise_device: where the Gaussians are drawn (a CUDA
+    generator: the same distribution, other numbers than the CPU's; the CPU default draws the same on every device)."""
     if dims not in (1, 2):
         raise ValueError(f'dims must be 1 or 2, got {dims}')
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(noise_device).manual_seed(seed)
     dirs = [filter_normalized_directions(model, gen) for _ in range(dims)]
     # span * (2i - (steps - 1)) / (steps - 1) in float64: the middle point is exactly 0 (float32 linspace gave
     # -1.5e-8 there), and the grid is symmetric
@@ -271,15 +227,17 @@ def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, 
     return coords, losses
 
 
-def average_flatness(model, loss_fn, batches, sigma, samples, seed=0, *, progress=None):
+def average_flatness(model, loss_fn, batches, sigma, samples, seed=0, noise_device='cpu', *, progress=None):
     """E_eps[L(w + eps)] - L(w), eps ~ N(0, sigma^2 I) over every parameter (1-D ones too), from `samples`
-    draws: the "average flatness" the paper contrasts with SAM's worst-case sharpness (Sec. 4.2). Eval mode."""
-    gen = torch.Generator().manual_seed(seed)
+    draws: the "average flatness" the paper contrasts with SAM's worst-case sharpness (Sec. 4.2). Eval mode.
+    noise_device: where eps is drawn, as loss_landscape's."""
+    gen = torch.Generator(noise_device).manual_seed(seed)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     with evaluating(model):
         base, out = mean_loss(model, loss_fn, batches), []
         for s in range(samples):
-            w = {n: p + sigma * torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) for n, p in named}
+            w = {n: p + sigma * torch.randn(p.shape, generator=gen, dtype=p.dtype, device=gen.device).to(p.device)
+                 for n, p in named}
             out.append(mean_loss(model, loss_fn, batches, w) - base)  # sigma = 0 gives exactly 0
             if progress:
                 progress(f'sigma {sigma:g}: sample {s + 1}/{samples}')
@@ -373,6 +331,29 @@ def attention_distance(model, x):
     return (a * torch.cdist(centres, centres).to(a)).sum(-1).mean(dim=(1, 3))  # keys; images, queries
 
 
+# ----------------------------------------------------------------------------- Memory: defaults that fit the device
+def ntk_chunk(model, x, reduce, chunk, free):
+    """ntk's --chunk: as given, or the most images whose float64 Jacobian fits `free` bytes beside Theta (one chunk
+    of all: one buffer; else two chunks); what cannot fit is refused in one line naming what would, before any work.
+    An image's working set: its float32 Jacobian and c backward passes through its graph (saved_bytes)."""
+    n, p = len(x), sum(p.numel() for p in model.parameters() if p.requires_grad)
+    with evaluating(model), torch.no_grad():
+        classes = model(x[:1]).shape[1]
+    c, per_c = (1 if reduce == 'sum' else classes), (classes if reduce == 'full' else 1)
+    with evaluating(model):
+        work = c * (4 * p + saved_bytes(x[:2], lambda xs: model(xs).sum()))
+    theta, per = (n * per_c) ** 2 * 8, lambda bufs: bufs * c * p * 8 + work / 8  # bytes per image of a chunk
+    one = int((0.8 * free - theta - work) // per(1))  # images that fit as one chunk
+    what = f'ntk --reduce {reduce} on {n} images ({per(1) / 2 ** 30:.2f} GiB per image)'
+    hint = (f': --images {min(one, n)} fits as one chunk' if one >= 1 else '') + \
+        (f'; try --reduce sum ({p * 8 / 2 ** 30:.2f} GiB per image)' if reduce != 'sum' else '')
+    k = n if one >= n else fit(per(2), theta + work, free, n, what, hint)
+    if chunk > k:
+        raise UserError(f'{what}: --chunk {chunk} needs {(theta + work + per(2) * chunk) / 0.8 / 2 ** 30:.1f} GiB, '
+                        f'{free / 2 ** 30:.1f} GiB free: --chunk {k} fits')
+    return chunk or k
+
+
 # ============================================================================= The script
 NUM_CLASSES = {'cifar10': 10, 'cifar100': 100, 'imagenet': 1000}
 N_DEFAULT = dict(hessian=2000, ntk=200, landscape=1000, flatness=1000, neurons=5000, attention=128)
@@ -402,16 +383,31 @@ def get_args(argv=None):
                        "CIFAR models see their run's own")
         s.add_argument('--split', default='train', choices=['train', 'test'], help='which images (ImageNet: val)')
         s.add_argument('--images', type=int, default=N_DEFAULT[name], help='images (CIFAR: class-balanced)')
-        s.add_argument('--batch-size', type=int, default=250, help='images per forward (memory only)')
+        s.add_argument('--batch-size', type=int, default=0 if name == 'hessian' else 250, help='images per forward '
+                       '(memory only)' + '; 0 = as many as fit the free memory' * (name == 'hessian'))
         s.add_argument('--seed', type=int, default=0, help='the initialisation without --checkpoint, every draw')
         s.add_argument('--out', required=True, metavar='DIR', help=f'receives {name}.json and the figures')
         s.add_argument('--overwrite', action='store_true', help=f'replace an existing {name}.json')
-    subs['hessian'].add_argument('--blocks', action='store_true', help='also lambda_max of each block (param_blocks)')
-    subs['hessian'].add_argument('--iters', type=int, default=100, help='most Hessian-vector products')
-    subs['hessian'].add_argument('--tol', type=float, default=1e-4, help='stop at this relative change')
+    h = subs['hessian']
+    h.add_argument('--top-k', type=int, default=1, help='largest algebraic eigenvalues, by Lanczos; the first is the '
+                   "paper's lambda_max")
+    h.add_argument('--trace', type=int, nargs='?', const=100, default=0, metavar='PROBES', help='also tr H by '
+                   'Hutchinson with PROBES Rademacher vectors (PyHessian: 100), with its standard error')
+    h.add_argument('--density', type=int, nargs='?', const=1, default=0, metavar='PROBES', help='also the spectral '
+                   'density by stochastic Lanczos quadrature, PROBES runs of --iters steps (PyHessian: 1 of 100)')
+    h.add_argument('--blocks', action='store_true', help='each of these for each block too (param_blocks)')
+    h.add_argument('--repeats', type=int, default=1, help='split --images into this many disjoint subsets (probe '
+                   'seed --seed + i): each measured, then mean and std')
+    h.add_argument('--iters', type=int, default=100, help='most Hessian-vector products per Lanczos run')
+    h.add_argument('--tol', type=float, default=1e-4, help='stop at residual ||Hv - lambda v|| <= tol |lambda|')
+    h.add_argument('--hvp', default='auto', choices=['auto', 'reverse', 'cached', 'forward'], help='hessian.'
+                   "hvp_operator's mode; auto: cached for one batch, else reverse (README: measured)")
+    h.add_argument('--compare', action='store_true', help='HVPs and seconds to lambda_max within 1e-4: Lanczos, '
+                   'power iteration, PyHessian 0.1 (pip install pyhessian), the first repeat\'s images as one batch')
     subs['ntk'].add_argument('--reduce', default='trace', choices=['trace', 'sum', 'full'], help='trace: sum of '
                              'per-class kernels; sum: of the summed logits (TE-NAS, AsViT); full: (nC x nC)')
-    subs['ntk'].add_argument('--chunk', type=int, default=0, help='images per Jacobian chunk; 0 = all at once')
+    subs['ntk'].add_argument('--chunk', type=int, default=0, help='images per Jacobian chunk; 0 = as many as fit the '
+                             'free memory (all: one chunk)')
     subs['ntk'].add_argument('--keep-zero-head', action='store_true', help='at init: do not draw an all-zero head; '
                              'a --checkpoint with one: measure it (refused without)')
     subs['landscape'].add_argument('--dims', type=int, default=2, choices=[1, 2])
@@ -419,6 +415,9 @@ def get_args(argv=None):
     subs['landscape'].add_argument('--span', type=float, default=1.0, help='coordinates in [-span, span]')
     subs['flatness'].add_argument('--sigma', type=float, nargs='+', default=[0.01, 0.02, 0.05], help='noise std')
     subs['flatness'].add_argument('--samples', type=int, default=20, help='Monte-Carlo draws per sigma')
+    for name in ('landscape', 'flatness'):
+        subs[name].add_argument('--noise-on-device', action='store_true', help="draw the random directions / noise "
+                                "with the device's generator (faster on a GPU; other numbers than the default CPU's)")
     subs['attention'].add_argument('--maps', type=int, default=8, help='images drawn with their maps')
     t = sub.add_parser('table1', help="the paper's Table 1 in miniature: 6 small models on CIFAR-10, trained, measured",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -430,13 +429,17 @@ def get_args(argv=None):
     t.add_argument('--epochs-scale', type=float, default=1.0, help="every run's epochs times this (at least 1)")
     t.add_argument('--hessian-n', type=int, default=2000, help='training images for lambda_max (and active neurons)')
     t.add_argument('--ntk-n', type=int, default=50, help='training images for kappa')
+    t.add_argument('--hessian-repeats', type=int, default=4, help='lambda_max and tr H on this many disjoint parts '
+                   'of the --hessian-n images (batches of 250), as mean +- std')
     t.add_argument('--corruption-n', type=int, default=500, help='test images for robustness.py --benchmark corrupt '
                    '(19 corruptions x 5 severities); 0 = leave the column out')
     t.add_argument('--jobs', type=int, default=2, help='training runs at a time, one thread each')
     args = p.parse_args(argv)
     has = lambda *keys: [k for k in keys if hasattr(args, k)]  # noqa: E731  (each sub-command has some of them)
-    check_ranges(args, has('images', 'batch_size', 'iters', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n', 'span',
-                           'epochs_scale'), has('chunk', 'train_subset', 'tol', 'corruption_n'),
+    sized = ['batch_size'] if args.command == 'hessian' else []  # (0: sized from the free memory)
+    check_ranges(args, has('images', 'iters', 'top_k', 'repeats', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n',
+                           'hessian_repeats', 'span', 'epochs_scale', *{'batch_size'} - set(sized)),
+                 has('chunk', 'train_subset', 'tol', 'corruption_n', 'trace', 'density', *sized),
                  dict(corruption_n=10_000))
     check_shared_ranges(args, 'img_size', 'seed')
     if getattr(args, 'steps', 3) < 3 or getattr(args, 'steps', 3) % 2 == 0 or not all(
@@ -518,12 +521,111 @@ def main(argv=None):
         leave(proc.ddp)
 
 
+def mean_std(reps):  # {k_mean, k_std} over repeats (std with n - 1) of lambda_max, the trace and each eigenvalue
+    out, k = {}, min(len(r['eigenvalues']) for r in reps)
+    for key, vals in [('lambda_max', [r['lambda_max'] for r in reps]), ('eigenvalues', [r['eigenvalues'][:k] for r in
+                      reps]), *([('trace', [r['trace'] for r in reps])] if 'trace' in reps[0] else [])]:
+        t = torch.tensor(vals, dtype=torch.float64)
+        out.update({f'{key}_mean': t.mean(0).tolist(), f'{key}_std': t.std(0).tolist()})
+    return out
+
+
+def measure_hessian(args, proc, model, loads, n, size, log):
+    """hessian's JSON: per repeat (its images; probes from --seed + j) the spectrum of the whole Hessian and of each
+    block (--blocks); with --repeats > 1 the repeats under `repeats` and the mean and std over them."""
+    if args.compare and proc.world > 1:
+        raise UserError('--compare runs in one process (PyHessian cannot split the images)')
+    blocks, reps = [('all', None), *(param_blocks(model).items() if args.blocks else [])], []
+    for j, (x, y) in enumerate(loads):
+        batches = [(xb.to(proc.device), yb.to(proc.device)) for xb, yb in zip(x.split(size), y.split(size))]
+        hvp = ('cached' if len(batches) == 1 else 'reverse') if args.hvp == 'auto' else args.hvp
+        rep = dict(images=len(range(j, n, len(loads))), seed=args.seed + j, hvp=hvp)  # images j, j + R, ... of n
+        for name, params in blocks:
+            r = hessian_spectrum(model, F.cross_entropy, batches, params, args.top_k, args.iters, args.tol, args.trace,
+                                 args.density, args.seed + j, hvp, progress=log)
+            rep.update(r) if name == 'all' else rep.setdefault('blocks', {}).update({name: r})
+            proc.log(f"  repeat {j + 1}/{len(loads)} | {name:24s} lambda_max {r['lambda_max']:.6g} ({r['products']} "
+                     'HVPs)' + (f" | trace {r['trace']:.6g} +- {r['trace_se']:.2g} (s.e.)" if args.trace else ''))
+        reps.append(rep)
+    out = dict(reps[0]) if len(reps) == 1 else dict(repeats=reps, **mean_std(reps), blocks={
+        name: mean_std([r['blocks'][name] for r in reps]) for name, _ in blocks[1:]})
+    if len(reps) > 1:
+        proc.log(f"  lambda_max {out['lambda_max_mean']:.6g} +- {out['lambda_max_std']:.2g} (std over {len(reps)} "
+                 'repeats)' + (f" | trace {out['trace_mean']:.6g} +- {out['trace_std']:.2g}" if args.trace else ''))
+    if args.density and proc.master:
+        figures.spectral_density([(torch.tensor(r['density']['nodes']), torch.tensor(r['density']['weights']))
+                                  for r in reps], os.path.join(args.out, 'hessian_density.png'))
+    if args.compare:
+        out['compare'] = compare_hessian(model, *(t.to(proc.device) for t in loads[0]), args.seed, proc.log,
+                                         args.iters)
+    return dict(out, top_k=args.top_k, iters=args.iters, tol=args.tol, note='eigenvalues: the --top-k largest '
+                'algebraic (Lanczos, full reorthogonalisation; lambda_max the first); trace: Hutchinson (Rademacher), '
+                'trace_se its standard error; density: SLQ nodes and weights; repeats: disjoint image subsets')
+
+
+def compare_hessian(model, x, y, seed, say, most=100, reach=1e-4):
+    """`hessian --compare`: products and seconds until lambda_max is within `reach` (relative) of the reference
+    (Lanczos to a residual of 1e-10): Lanczos, power iteration, PyHessian 0.1's eigenvalues() (its power iteration),
+    on the same model, images (one batch: PyHessian's single-batch path keeps the gradient's graph, as our 'cached'
+    mode) and start vector (hessian.start_vector(seed) draws what PyHessian draws after torch.manual_seed(seed))."""
+    try:
+        from pyhessian import hessian as PyHessian  # the oracle of requirements-test.txt, imported only here
+    except ImportError:
+        raise UserError('--compare needs PyHessian 0.1: pip install pyhessian==0.1 (requirements-test.txt)')
+    params, rows = [p for p in model.parameters() if p.requires_grad], {}
+    with evaluating(model):
+        t0 = time.perf_counter()
+        matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
+        build, v0 = time.perf_counter() - t0, hessian.start_vector(params, seed)
+        ref = hessian.lanczos(matvec, v0, 1, 300, 1e-10)['eigenvalues'][0]
+        for name, run in (('Lanczos', lambda log: hessian.lanczos(matvec, v0, 1, most, reach, progress=log)['history']),
+                          ('power iteration', lambda log: hessian.power_iteration(  # (runs on past the reach)
+                              matvec, v0, most, reach / 100, progress=log)[2])):
+            times, t0 = [], time.perf_counter()
+            history = run(lambda msg: times.append(time.perf_counter() - t0))
+            k = next((i for i, e in enumerate(history) if abs(e - ref) <= reach * abs(ref)), None)
+            rows[name] = dict(hvps=None if k is None else k + 1, seconds=None if k is None else build + times[k],
+                              s_per_hvp=times[-1] / len(times), lambda_max=history[-1 if k is None else k])
+        steps = rows['power iteration']['hvps'] or most  # the same iteration from the same start: as many products
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with sdpa_kernel(SDPBackend.MATH):  # (the fused attention has no double backward)
+            ph = PyHessian(model, F.cross_entropy, data=(x, y), cuda=x.is_cuda)
+            t1 = time.perf_counter()
+            lam = ph.eigenvalues(maxIter=steps, tol=0.0)[0][0]  # tol 0: exactly `steps` products
+            t2 = time.perf_counter()
+        reached = abs(lam - ref) <= reach * abs(ref)
+        rows['PyHessian 0.1'] = dict(hvps=steps if reached else None, seconds=t2 - t0 if reached else None,
+                                     s_per_hvp=(t2 - t1) / steps, lambda_max=lam)
+        for p in params:  # PyHessian leaves the create_graph gradient (and its graph) in .grad
+            p.grad = None
+    for name, r in rows.items():
+        say(f"  compare | {name:16s} | {r['hvps'] or f'> {most}'} HVPs | {r['seconds'] or math.nan:.2f} s to "
+            f"lambda_max within {reach:g} | {r['s_per_hvp']:.3f} s per HVP | lambda {r['lambda_max']:.8g} "
+            f"(reference {ref:.8g})")
+    return dict(reference=ref, reach=reach, rows=rows, images=len(x))
+
+
 def measure(args, proc, model, info, path, drawn):
     """One sub-command on this process's device and images; rank 0 prints and writes."""
     say, size = proc.log, args.batch_size  # this process's images, all on the device (n: of every process)
+    parts = args.repeats if args.command == 'hessian' else 1  # > 1: every process reads all images, then
     x, y, shown, n = data.measurement_images(args.data, args.dataset, args.split == 'train', args.images, args.size,
-                                             args.norm, args.classes, proc.rank, proc.world, args.crop_pct, args.interp)
-    batches = [(xb.to(proc.device), yb.to(proc.device)) for xb, yb in zip(x.split(size), y.split(size))]
+                                             args.norm, args.classes, *(proc.rank, proc.world) * (parts == 1),
+                                             crop_pct=args.crop_pct, interp=args.interp)
+    mine = lambda t: t[len(t) * proc.rank // proc.world:len(t) * (proc.rank + 1) // proc.world]  # noqa: E731
+    # repeat j: images j, j + R, ... (the classes interleaved: the images are in class order), this process's part
+    loads = [(x, y)] if parts == 1 else [(mine(x[j::parts]), mine(y[j::parts])) for j in range(parts)]
+    if not size:  # hessian: each image's two graphs (x 2: the second backward's temporaries) beside the Lanczos basis
+        grad = lambda xs: torch.autograd.grad(F.cross_entropy(model(xs), y[:len(xs)].to(proc.device)),  # noqa: E731
+                                              [p for p in model.parameters() if p.requires_grad], create_graph=True)
+        with evaluating(model):
+            per_image = 2 * saved_bytes(x[:2].to(proc.device), grad)
+        p = sum(p.numel() * p.element_size() for p in model.parameters())
+        size = fit(per_image, (args.iters + 8) * p + 8 * 2 * p, free_memory(proc.device), len(loads[0][0]),
+                   f'hessian (--iters {args.iters} Lanczos vectors, {per_image / 2 ** 30:.2f} GiB per image)')
+    batches = [(xb.to(proc.device), yb.to(proc.device)) for xb, yb in zip(x.split(size), y.split(size))
+               if args.command != 'hessian']  # (hessian: per repeat, measure_hessian)
     x = x.to(proc.device) if args.command in ('ntk', 'attention') else None
     info.update(split=args.split, n=n, device=str(proc.device), processes=proc.world, precision=PRECISION)
     os.makedirs(args.out, exist_ok=True)
@@ -531,30 +633,21 @@ def measure(args, proc, model, info, path, drawn):
         f'{args.split} images | {proc.device} x {proc.world} | {PRECISION} | {EVAL_NOTE}')
     start, log = time.time(), progress_printer(args.command) if proc.master else None
     if args.command == 'hessian':
-        info['blocks'], info['converged'] = {}, {}
-        for name, params in [('all', None), *(param_blocks(model).items() if args.blocks else [])]:
-            report = dict(converged=True)  # (H v = 0 returns at once: exact)
-            info['blocks'][name] = hessian_eigenvalue(model, F.cross_entropy, batches, params, args.iters, args.tol,
-                                                      args.seed, progress=log, report=report)
-            info['converged'][name] = report['converged']
-            say(f"  lambda_max {name:24s} {info['blocks'][name]:.6g}" + f' (NOT converged: --iters {args.iters} ended '
-                'it before a relative change < --tol; raise --iters)' * (not report['converged']))
-        stopped = ', '.join(k for k, ok in info['converged'].items() if not ok)
-        info.update(lambda_max=info['blocks'].pop('all'), iters=args.iters, tol=args.tol,
-                    note='largest-|lambda| Hessian eigenvalue, sign kept' + f'; NOT converged ({stopped}): --iters '
-                    'came before --tol' * bool(stopped))
+        with evaluating(model):  # (eval mode, as PyHessian)
+            info.update(measure_hessian(args, proc, model, loads, n, size, log), batch_size=size)
     elif args.command == 'ntk':
         calibrated = not args.checkpoint and calibrate_batchnorm_(model, [(x,)])
-        kappa, eig = ntk_condition_number(model, x, args.reduce, args.chunk or None, progress=log)
+        chunk = ntk_chunk(model, x, args.reduce, args.chunk, free_memory(proc.device))  # before any Jacobian
+        kappa, eig = ntk_condition_number(model, x, args.reduce, chunk, progress=log)
         zero = info['head_zero']  # (--keep-zero-head): Theta is only the head's rows, the Gram of its features
-        info.update(kappa=kappa, reduce=args.reduce, head_drawn=drawn, bn_calibrated=calibrated,
+        info.update(kappa=kappa, reduce=args.reduce, chunk=chunk, head_drawn=drawn, bn_calibrated=calibrated,
                     eigenvalues=eig.tolist(), note='all trainable parameters, eval mode' + '; BatchNorm statistics '
                     'of these images' * calibrated + "; the official init's zero head drawn like the other dense "
                     'layers' * drawn + '; the head is all zeros: a collapsed kernel, the Gram of its features' * zero)
         say(f'  NTK kappa ({args.reduce}) {kappa:.6g} = {eig[-1]:.4g} / {eig[0]:.4g} | {info["note"]}')
     elif args.command == 'landscape':
         coords, losses = loss_landscape(model, F.cross_entropy, batches, args.dims, args.steps, args.span, args.seed,
-                                        progress=log)
+                                        proc.device if args.noise_on_device else 'cpu', progress=log)
         info.update(dims=args.dims, coords=coords.tolist(), loss=losses.tolist(), note='filter-normalised Gaussian '
                     "directions (Li et al. 2018), 1-D parameters not moved (ignore='biasbn')")
         say(f'  loss at the origin {losses[(args.steps // 2,) * args.dims]:.4f}, largest {losses.max():.4f}')
@@ -563,7 +656,8 @@ def measure(args, proc, model, info, path, drawn):
     elif args.command == 'flatness':
         info['results'] = []
         for sigma in args.sigma:
-            flat = average_flatness(model, F.cross_entropy, batches, sigma, args.samples, args.seed, progress=log)
+            flat = average_flatness(model, F.cross_entropy, batches, sigma, args.samples, args.seed,
+                                    proc.device if args.noise_on_device else 'cpu', progress=log)
             info['results'].append(dict(sigma=sigma, flatness=flat))
             say(f'  sigma {sigma:g}: E L(w + eps) - L(w) = {flat:.5g} ({args.samples} draws)')
     elif args.command == 'neurons':
@@ -604,6 +698,7 @@ TABLE1_GPU = {'resnet20': ('resnet20', [], 60, 8e-3, 0.05), 'vit': ('vit_s4_cifa
 PRESETS = dict(cpu=dict(table=TABLE1, train_subset=10_000, batch_size=128),
                gpu=dict(table=TABLE1_GPU, train_subset=50_000, batch_size=512))
 LOW_ERROR = 5.0
+TABLE1_TRACE = 10  # Hutchinson probes per repeat (the std over repeats, not these probes' s.e., is the error bar)
 # fp32 training (TF32 matmuls on a GPU, as train_cifar sets them), never bf16: the README's table is fp32
 TRAIN_FLAGS = dict(aug='basic', wd=0.05, seed=0, test_subset=1000, log_every=0, amp='off')
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -666,8 +761,15 @@ def measure_run(args, run, family, d, log):
         model = build_model(args.table[family][0], 10, 32, parse_model_kw(args.table[family][1]), cifar=True)
         load_weights(model, os.path.join(folder, 'last.pt'))
         model.to(d['device'])
-        if 'lambda_max' not in m:  # PyHessian's tol, at most 20 Hessian-vector products
-            m['lambda_max'] = hessian_eigenvalue(model, F.cross_entropy, d['hessian'], iters=20, tol=1e-3, progress=log)
+        if 'lambda_max_std' not in m:  # Lanczos to PyHessian's tol (<= 20 HVPs), Hutchinson's tr H, --hessian-repeats
+            hx, hy, r = (*(torch.cat(t) for t in zip(*d['hessian'])), args.hessian_repeats)  # disjoint, classes mixed
+            parts = [list(zip(hx[j::r].split(250), hy[j::r].split(250))) for j in range(r)]
+            with evaluating(model):
+                reps = [hessian_spectrum(model, F.cross_entropy, b, None, 1, 20, 1e-3, TABLE1_TRACE, 0, j, progress=log)
+                        for j, b in enumerate(parts)]
+            s = mean_std(reps)
+            m.update(lambda_max=s['lambda_max_mean'], lambda_max_std=s['lambda_max_std'], trace=s['trace_mean'],
+                     trace_std=s['trace_std'], hessian_repeats=reps)
         if 'test_acc' not in m:  # eval mode, no augmentation; the whole training subset and test set
             m['train_error'] = 100 - evaluate(model, d['train_u8'], d['train_y'], *d['stats'], 500)['top1']
             m['test_acc'] = evaluate(model, d['test_u8'], d['test_y'], *d['stats'], 500)['top1']
@@ -700,6 +802,8 @@ def table1(args, proc):
     args.table, args.train_subset = preset['table'], args.train_subset or preset['train_subset']
     if max(args.hessian_n, args.ntk_n) > args.train_subset:
         raise UserError('--hessian-n and --ntk-n are images of the --train-subset: pick them <= it')
+    if args.hessian_repeats > args.hessian_n:
+        raise UserError(f'--hessian-repeats {args.hessian_repeats} > --hessian-n {args.hessian_n}: an image per part')
     runs = {f'{f}_{opt}': dict(model=m, model_kw=kw, epochs=max(1, round(ep * args.epochs_scale)), lr=lr,
                                train_subset=args.train_subset, batch_size=preset['batch_size'], **TRAIN_FLAGS,
                                sam=opt == 'sam', **(dict(rho=rho) if opt == 'sam' else {}))
@@ -757,13 +861,16 @@ def table1(args, proc):
     figures.save_figure(figures.attention_distances([(t, torch.tensor(r['attention_distance_px'])) for t, r in vits],
                                                     32), os.path.join(args.out, 'attention_distance_vit.png'))
     corrupt = any('corruption_acc' in r for r in rows)
-    lines = ['| model | params | NTK kappa (trace) | NTK kappa (sum) | Hessian lambda_max | train error % | test acc % '
-             '| active first % | active last %' + ' | corrupted acc % | gap (pts)' * corrupt + ' |',
-             '|---' * (9 + 2 * corrupt) + '|'] + [
+    lines = ['| model | params | NTK kappa (trace) | NTK kappa (sum) | Hessian lambda_max | tr H | train error % | '
+             'test acc % | active first % | active last %' + ' | corrupted acc % | gap (pts)' * corrupt + ' |',
+             '|---' * (10 + 2 * corrupt) + '|'] + [
         f"| {r['family']}{' + SAM' * r['sam']} | {r['params']:,} | {r['kappa_trace']:.4g} | {r['kappa_sum']:.4g} | "
-        f"{r['lambda_max']:.4g} | {r['train_error']:.2f} | {r['test_acc']:.2f} | {100 * r['active_first']:.1f} | "
+        f"{r['lambda_max']:.4g} +- {r['lambda_max_std']:.2g} | {r['trace']:.4g} +- {r['trace_std']:.2g} | "
+        f"{r['train_error']:.2f} | {r['test_acc']:.2f} | {100 * r['active_first']:.1f} | "
         f"{100 * r['active_last']:.1f} |" + (f" {r.get('corruption_acc', math.nan):.2f} | "
                                               f"{r.get('corruption_gap', math.nan):.1f} |") * corrupt for r in rows]
+    lines.append(f'\nlambda_max, tr H: mean +- std over {args.hessian_repeats} disjoint parts of the {args.hessian_n} '
+                 'images (Lanczos; Hutchinson, 10 probes each)')
     wall = time.time() - t0
     high = [f"{r['run']} {r['train_error']:.1f}%" for r in rows if r['train_error'] > LOW_ERROR]
     md = '\n'.join(lines) + (f'\n\ntraining error above {LOW_ERROR:g}%: ' + ', '.join(high) if high else '') + \

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NO_STEP = 2 ** 62  # "no step yet" for the first non-finite loss
 EXTRAS = 'pip install -r requirements-extras.txt'
@@ -223,3 +224,39 @@ def refuse_loose(parser, argv, rules):
 
 def first_set(*values):  # the first value that is not None: a flag given as 0 is 0, not "unset" (0 == False)
     return next((v for v in values if v is not None), None)
+# ----- Memory: defaults that fit the device (geometry.py hessian and ntk)
+def free_memory(device):
+    """Bytes this process may still allocate: CUDA's mem_get_info, else the RAM the kernel can give without swapping
+    (/proc/meminfo's MemAvailable; elsewhere the free pages)."""
+    if device.type == 'cuda':
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open('/proc/meminfo') as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith('MemAvailable:'))
+    except (OSError, StopIteration):
+        return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+
+
+def fit(per_item, fixed, free, most, what, hint=''):
+    """How many items (images of an HVP batch, of an NTK chunk) of per_item bytes each fit beside `fixed` bytes in
+    80% of `free` (the rest: allocator slack, temporaries), at most `most`; none: one line naming the need."""
+    k = int((0.8 * free - fixed) // per_item)
+    if k < 1:
+        raise UserError(f'{what} needs {(fixed + per_item) / 0.8 / 2 ** 30:.1f} GiB at one image; '
+                        f'{free / 2 ** 30:.1f} GiB free{hint}')
+    return min(k, most)
+
+
+def saved_bytes(x, fn):
+    """Bytes autograd saves (the graph it keeps alive) per image of x while fn(x[:k]) runs: the difference between 2
+    images and 1 (the weights, saved either way, cancel). geometry.py: an HVP's graphs, the NTK's forward."""
+    def count(k):
+        n = [0]
+
+        def pack(t):
+            n[0] += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), sdpa_kernel(SDPBackend.MATH):
+            fn(x[:k])  # (the math attention: what the HVP and the NTK's vmap run)
+        return n[0]
+    return max(count(2) - count(1), 1)

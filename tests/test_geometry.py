@@ -431,7 +431,7 @@ def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_
     x, y = torch.stack([ds[i][0] for i in range(12)]), torch.tensor(ds.targets)
     torch.manual_seed(0)
     model = vit.create('vit_ti16', num_classes=3, img_size=32, depth=1, dim=16, heads=2, patch_size=16)  # 3 folders
-    want = G.hessian_eigenvalue(model, F.cross_entropy, [(x, y)], iters=20, tol=1e-4)  # the same draws
+    want = G.hessian_spectrum(model.eval(), F.cross_entropy, [(x, y)], iters=20, tol=1e-4)['lambda_max']  # same draws
     assert got['n'] == 12 and got['dataset'] == 'imagenet' and y.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert got['lambda_max'] == pytest.approx(want, rel=1e-5)
 
@@ -445,7 +445,7 @@ def free_port():
 
 VIT = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=2', 'heads=2']
 CONVMIXER = ['--model', 'convmixer_256_8', '--model-kw', 'dim=16', 'depth=2', 'kernel_size=3', 'patch_size=4']
-SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0'],  # through attention's double backward
+SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0', '--top-k', '2', '--trace', '3', '--density'],
                # a ViT's zero head would make the loss flat along filter-normalised directions: a ConvMixer
                'landscape': CONVMIXER + ['--dims', '2', '--steps', '3'],
                'flatness': CONVMIXER + ['--sigma', '0.01', '0.05', '--samples', '2'], 'neurons': VIT}
@@ -469,7 +469,8 @@ def test_torchrun_splits_the_images_and_equals_one_process(cifar10_dir, tmp_path
     assert r.stdout.count(f'geometry.py {command}') == 1  # rank 0 alone prints
     one, many = (json.loads((tmp_path / d / f'{command}.json').read_text()) for d in ('one', 'many'))
     assert (one['n'], many['n'], one['processes'], many['processes']) == (24, 24, 1, nproc)
-    read = {'hessian': lambda d: [d['lambda_max']], 'landscape': lambda d: d['loss'],
+    read = {'hessian': lambda d: [*d['eigenvalues'], d['trace'], d['trace_se'], *d['density']['nodes'],
+                                  *d['density']['weights']], 'landscape': lambda d: d['loss'],
             'flatness': lambda d: [r['flatness'] for r in d['results']],
             'neurons': lambda d: list(d['active'].values())}
     got, want = (torch.tensor(read[command](d), dtype=torch.float64).flatten() for d in (many, one))
@@ -497,7 +498,7 @@ def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_
     def on(model, x, result):  # records where the measurement got its model and images
         seen.append((next(model.parameters()).device, x.device))
         return result
-    stubs = dict(hessian_eigenvalue=lambda m, f, b, *a, **k: on(m, b[0][0], 1.0),
+    stubs = dict(hessian_spectrum=lambda m, f, b, *a, **k: on(m, b[0][0], dict(lambda_max=1.0, products=1)),
                  loss_landscape=lambda m, f, b, *a, **k: on(m, b[0][0], (torch.zeros(3), torch.rand(3, 3))),
                  average_flatness=lambda m, f, b, *a, **k: on(m, b[0][0], 0.0),
                  active_neurons=lambda m, b: on(m, b[0][0], {'blocks.0.mlp': 0.5}),

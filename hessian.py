@@ -1,0 +1,240 @@
+"""The curvature of a loss: Hessian-vector products and what they buy. Copy this file; it needs only torch.
+
+    H v           hvp_operator: the exact product, by double backward (Pearlmutter 1994), batches weighted by size,
+                  summed over torchrun's processes (one all-reduce of a flat vector per product)
+    lambda_max    power_iteration (PyHessian's), lanczos (top-k, full reorthogonalisation, residual stopping rule)
+    tr H          hutchinson (Rademacher probes, with its standard error), hutchpp (Meyer et al. 2021)
+    density       slq: stochastic Lanczos quadrature (Ghorbani, Krishnan & Xiao, ICML 2019; PyHessian's `density`)
+
+Every vector is a flat float64 tensor of the (block's) parameters, in model.parameters() order, on their device;
+the products run in the parameters' dtype and are accumulated in float64. The operators work on any symmetric
+`matvec` (a function of one flat vector), so each algorithm is testable against an explicit matrix."""
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.func import functional_call, grad, jvp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def all_sum(t):  # t summed over torchrun's processes, in place (each holds a slice of the images), else t
+    return dist.all_reduce(t) or t if dist.is_available() and dist.is_initialized() else t
+
+
+# ----------------------------------------------------------------------------- H v
+def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
+    """-> (matvec, P): matvec(v) = H v for the Hessian of the mean loss over every image of `batches` (a list of
+    (x, y); loss_fn(model(x), y) a batch mean, each batch weighted by its size; under torchrun over every process's
+    images) with respect to `params` (default: every trainable parameter; a subset gives that diagonal block), P
+    their number of entries. The model is used as it is: call it in eval mode (as PyHessian does).
+    mode 'reverse': H v = d/dw <grad L(w), v>, a forward, a backward with create_graph and its backward per batch
+        and product; memory: one batch's graph and its gradient's graph.
+    mode 'cached': the gradient graphs of every batch built once and kept (PyHessian's single-batch path): each
+        product is then only the backward of the backward (~6 forwards of FLOPs, not ~9, by
+        torch.utils.flop_counter on ViT-S/16 and Mixer-S/16); memory: every batch's graphs at once.
+    mode 'forward': forward-over-reverse, torch.func.jvp of torch.func.grad (the JAX way): exact as well, as many
+        FLOPs as 'reverse' and not faster on CPU (README, measured).
+    The fused attention kernels have no double backward: the math kernel is used inside (sdpa_kernel)."""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    sizes, dev = [p.numel() for p in params], params[0].device
+    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64, device=dev)).item()
+    if mode == 'cached':
+        with sdpa_kernel(SDPBackend.MATH):
+            cached = [torch.autograd.grad(loss_fn(model(x), y) * (len(x) / n), params, create_graph=True,
+                                          allow_unused=True) for x, y in batches]
+    elif mode == 'forward':
+        names = {id(p): k for k, p in model.named_parameters()}
+        keys, rest = [names[id(p)] for p in params], {k: p.detach() for k, p in model.named_parameters()}
+        rest.update(model.named_buffers())
+
+    def batch_hvp(x, y, u, grads=None):  # this batch's (weighted) H u, a tuple per parameter (None: zero)
+        if mode == 'forward':
+            def g(*w):  # the weighted gradient as a function of the block's weights
+                loss = lambda *w: loss_fn(functional_call(model, {**rest, **dict(zip(keys, w))}, (x,)), y)  # noqa
+                return grad(loss, argnums=tuple(range(len(w))))(*w)
+            return tuple(h * (len(x) / n) for h in jvp(g, tuple(p.detach() for p in params), tuple(u))[1])
+        if grads is None:
+            grads = torch.autograd.grad(loss_fn(model(x), y) * (len(x) / n), params, create_graph=True,
+                                        allow_unused=True)
+        pairs = [(g, v) for g, v in zip(grads, u) if g is not None and g.requires_grad]
+        if not pairs:  # the gradient does not depend on these weights: H u = 0
+            return [None] * len(params)
+        return torch.autograd.grad([g for g, _ in pairs], params, grad_outputs=[v for _, v in pairs],
+                                   retain_graph=mode == 'cached', allow_unused=True)
+
+    def matvec(v):
+        out = torch.zeros(sum(sizes), dtype=torch.float64, device=dev)
+        u = [t.view_as(p).to(p.dtype) for t, p in zip(v.split(sizes), params)]
+        with sdpa_kernel(SDPBackend.MATH):
+            for hv in ((batch_hvp(None, None, u, g) for g in cached) if mode == 'cached' else
+                       (batch_hvp(x, y, u) for x, y in batches)):
+                for o, h in zip(out.split(sizes), hv):
+                    if h is not None:
+                        o.add_(h.flatten())
+        return all_sum(out)  # one flat tensor per product
+
+    return matvec, sum(sizes)
+
+
+def start_vector(params, seed=0):
+    """PyHessian's start: randn per parameter in order from a seeded CPU generator (the same on every device and
+    process), normalised; flat float64 on the parameters' device."""
+    gen = torch.Generator().manual_seed(seed)
+    v = torch.cat([torch.randn(p.shape, generator=gen, dtype=p.dtype).flatten() for p in params]).double()
+    return (v / v.norm()).to(params[0].device)
+
+
+# ----------------------------------------------------------------------------- lambda_max
+def power_iteration(matvec, v, iters=100, tol=1e-4, *, progress=None):
+    """PyHessian's (pyhessian/hessian.py `eigenvalues`): v <- Hv / ||Hv||, the Rayleigh quotient v^T H v as the
+    estimate, stop at a relative change < tol (PyHessian: 1e-3). Finds the eigenvalue of largest magnitude, sign
+    kept. -> (estimate, products used, the estimates after each product)."""
+    eig, history, start = None, [], time.time()
+    for i in range(iters):
+        hv = matvec(v)
+        norm, new = torch.stack([hv.norm(), hv @ v]).tolist()  # one read per product; ||v|| = 1
+        if norm == 0:  # H v = 0 for a random v: this block of the Hessian is 0 (e.g. behind a zero head)
+            return 0.0, i + 1, history + [0.0]
+        change = abs(new - eig) / (abs(eig) + 1e-6) if eig is not None else float('inf')
+        eig, v = new, hv / norm
+        history.append(eig)
+        if progress:
+            progress(f'power iteration {i + 1}/{iters} | lambda {eig:.6g} | rel. change {change:.1e} '
+                     f'| {time.time() - start:.0f} s')
+        if change < tol:
+            break
+    return eig, len(history), history
+
+
+def tridiagonal(alpha, beta):  # T: alpha on the diagonal, beta beside it; float64, on the CPU
+    a, b = torch.tensor(alpha, dtype=torch.float64), torch.tensor(beta, dtype=torch.float64)
+    return torch.diag(a) + torch.diag(b, 1) + torch.diag(b, -1)
+
+
+def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.float64, *, progress=None):
+    """The k extreme eigenvalues by Lanczos with full reorthogonalisation (Golub & Van Loan, Matrix Computations,
+    Alg. 10.1.1 and Sec. 10.3.1; Ghorbani et al. 2019 use the same for the density): after j products,
+    H V_j = V_j T_j + beta_j v_{j+1} e_j^T with T_j tridiagonal; the Ritz values theta_i (eigenvalues of T_j)
+    approximate H's extremes, and the residual of each Ritz pair is exactly ||H y_i - theta_i y_i|| = beta_j |s_ij|
+    (s_ij: the last entry of T_j's i-th eigenvector). Stop when each of the k wanted pairs has a residual
+    <= tol |theta_i| (then |theta_i - lambda| <= tol |theta_i| for some eigenvalue lambda), or at an invariant
+    subspace (beta ~ 0: the Ritz values are eigenvalues), or after `steps` products.
+    which: 'LA' the k largest algebraic (the top of the spectrum: the paper's lambda_max), 'LM' the k largest in
+    magnitude (what power iteration converges to). Memory: the basis, (products + 1) x P of basis_dtype (float32
+    for an fp32 model halves it: its products are only fp32-accurate anyway).
+    -> dict(eigenvalues (k, 'LA' descending / 'LM' by descending magnitude), residuals, products, history:
+    the wanted first eigenvalue after each product, alpha, beta: T's diagonals)."""
+    basis, alpha, beta, history, start = [(v / v.norm()).to(basis_dtype)], [], [], [], time.time()
+    for j in range(steps):
+        w = matvec(basis[-1].double())
+        alpha.append((w @ basis[-1].double()).item())
+        for _ in range(2):  # full reorthogonalisation: Gram-Schmidt against every basis vector, twice ("twice is
+            for b in basis:  # enough", Parlett); this also removes alpha v_j and beta v_{j-1}
+                b = b.double()
+                w -= (b @ w) * b
+        beta.append(w.norm().item())
+        theta, s = torch.linalg.eigh(tridiagonal(alpha, beta[:-1]))  # ascending
+        order = (theta if which == 'LA' else theta.abs()).argsort(descending=True)[:k]
+        res = (beta[-1] * s[-1, order]).abs()
+        history.append(theta[order[0]].item())
+        done = len(order) == k and bool((res <= tol * theta[order].abs()).all())
+        invariant = beta[-1] <= 1e-12 * theta.abs().max().item() or j + 1 == len(v)
+        if progress:
+            progress(f'Lanczos {j + 1}/{steps} | lambda {history[-1]:.6g} | residual/|lambda| '
+                     f'{res[0].item() / max(abs(history[-1]), 1e-30):.1e} | {time.time() - start:.0f} s')
+        if done or invariant:
+            break
+        basis.append((w / beta[-1]).to(basis_dtype))
+    return dict(eigenvalues=theta[order].tolist(), residuals=res.tolist(), products=len(alpha), history=history,
+                alpha=alpha, beta=beta[:-1])
+
+
+def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4, seed=0, *, progress=None):
+    """The dominant (largest-|lambda|, sign kept) eigenvalue of the Hessian of the mean loss over `batches` by
+    PyHessian's power iteration (power_iteration), from start_vector(seed). Call it in eval mode. (Not finite
+    differences of gradients: across ReLU kinks they measure another quantity; on resnet20 at init v^T H v was
+    0.015 by double backward, -0.146 by differences of the loss at h = 1e-4, float64.)"""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    matvec, _ = hvp_operator(model, loss_fn, list(batches), params)
+    return power_iteration(matvec, start_vector(params, seed), iters, tol, progress=progress)[0]
+
+
+def hessian_spectrum(model, loss_fn, batches, params=None, top_k=1, iters=100, tol=1e-4, trace=0, density=0, seed=0,
+                     hvp='reverse', *, progress=None):
+    """The Hessian of the mean loss over `batches` (params: a diagonal block, param_blocks()), eval mode, through
+    py: the top_k largest algebraic eigenvalues by Lanczos (residual <= tol |lambda|, at most `iters`
+    products; eigenvalues[0] is the paper's lambda_max), with `trace` Hutchinson probes tr H and its standard error,
+    with `density` SLQ probes of `iters` steps the spectral density's nodes and weights. Probes from `seed`."""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    matvec, n = hvp_operator(model, loss_fn, list(batches), params, hvp)
+    r = lanczos(matvec, start_vector(params, seed), top_k, iters, tol, basis_dtype=params[0].dtype, progress=progress)
+    out = dict(lambda_max=r['eigenvalues'][0], eigenvalues=r['eigenvalues'], residuals=r['residuals'],
+               products=r['products'])
+    if trace:
+        out['trace'], out['trace_se'], _ = hutchinson(matvec, n, trace, seed, params[0].device, progress=progress)
+    if density:
+        nodes, weights = slq(matvec, n, iters, density, seed, params[0].device)
+        out['density'] = dict(nodes=nodes.tolist(), weights=weights.tolist())
+    return out
+
+
+# ----------------------------------------------------------------------------- tr H
+def rademacher(n, gen, device):  # +-1 with probability 1/2 each, float64, from a CPU generator (the same everywhere)
+    return (torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64) * 2 - 1).to(device)
+
+
+def hutchinson(matvec, n, samples=100, seed=0, device='cpu', *, progress=None):
+    """tr H ~ mean_i z_i^T H z_i, z_i Rademacher (Hutchinson 1990; PyHessian's `trace`): unbiased, variance
+    2 (||H||_F^2 - sum_i H_ii^2) per probe. -> (estimate, its standard error std(z^T H z) / sqrt(samples), the
+    samples)."""
+    gen, vals = torch.Generator().manual_seed(seed), []
+    for i in range(samples):
+        z = rademacher(n, gen, device)
+        vals.append((z @ matvec(z)).item())
+        if progress:
+            progress(f'Hutchinson {i + 1}/{samples} | trace {sum(vals) / len(vals):.6g}')
+    t = torch.tensor(vals, dtype=torch.float64)
+    return t.mean().item(), (t.std() / math.sqrt(samples)).item() if samples > 1 else math.inf, vals
+
+
+def hutchpp(matvec, n, products=99, seed=0, device='cpu'):
+    """Hutch++ (Meyer, Musco, Musco & Woodruff, SOSA 2021, Alg. 1): m = products / 3 probes S; Q = orth(H S);
+    tr H = tr(Q^T H Q) + Hutchinson on (I - QQ^T) H (I - QQ^T) with m more probes: the top of the spectrum
+    exactly, the rest sampled. -> (estimate, the standard error of its sampled part)."""
+    m, gen = products // 3, torch.Generator().manual_seed(seed)
+    Q = torch.linalg.qr(torch.stack([matvec(rademacher(n, gen, device)) for _ in range(m)], dim=1))[0]  # (n, m)
+    top = sum((q @ matvec(q)).item() for q in Q.T)
+    vals = []
+    for _ in range(m):
+        z = rademacher(n, gen, device)
+        z = z - Q @ (Q.T @ z)
+        vals.append((z @ matvec(z)).item())
+    t = torch.tensor(vals, dtype=torch.float64)
+    return top + t.mean().item(), (t.std() / math.sqrt(m)).item()
+
+
+# ----------------------------------------------------------------------------- density
+def slq(matvec, n, steps=80, probes=1, seed=0, device='cpu', vectors=None):
+    """Spectral density by stochastic Lanczos quadrature (Ghorbani et al. 2019, Sec. 3; Lin, Saad & Yang 2016):
+    per probe v (Rademacher, normalised), `steps` Lanczos steps with full reorthogonalisation give T; its
+    eigenvalues are the quadrature nodes and the squared first entries of its eigenvectors the weights, so that
+    sum_i w_i f(theta_i) = v^T f(H) v exactly for polynomials f of degree < 2 steps. Averaged over probes the
+    weights sum to 1 and sum_i w_i theta_i^p estimates tr(H^p) / n. vectors: given probes (a list of flat
+    vectors) instead. -> (nodes, weights): flat float64 CPU tensors, PyHessian's eigen_list / weight_list."""
+    gen = torch.Generator().manual_seed(seed)
+    vectors = vectors if vectors is not None else [rademacher(n, gen, device) for _ in range(probes)]
+    nodes, weights = [], []
+    for v in vectors:
+        r = lanczos(matvec, v, k=1, steps=steps, tol=0.0)  # tol 0: every step, or to an invariant subspace
+        theta, s = torch.linalg.eigh(tridiagonal(r['alpha'], r['beta']))
+        nodes.append(theta)
+        weights.append(s[0] ** 2 / len(vectors))
+    return torch.cat(nodes), torch.cat(weights)
+
+
+def density_curve(nodes, weights, grid, sigma):
+    """The density on `grid`: each node a Gaussian of std sigma (PyHessian's density_generate smooths the same
+    way), sum_i w_i N(x; theta_i, sigma^2)."""
+    g = torch.exp(-(grid[:, None] - nodes[None]) ** 2 / (2 * sigma ** 2)) / (sigma * math.sqrt(2 * math.pi))
+    return g @ weights
