@@ -543,9 +543,13 @@ def measure_hessian(args, proc, model, loads, n, size, log):
         for name, params in blocks:
             r = hessian_spectrum(model, F.cross_entropy, batches, params, args.top_k, args.iters, args.tol, args.trace,
                                  args.density, args.seed + j, hvp, progress=log)
+            # M03 (issue 34): a value that --iters ended before its residual reached --tol |lambda| says so
+            r['converged'] = all(e <= args.tol * abs(v) for e, v in zip(r['residuals'], r['eigenvalues']))
             rep.update(r) if name == 'all' else rep.setdefault('blocks', {}).update({name: r})
             proc.log(f"  repeat {j + 1}/{len(loads)} | {name:24s} lambda_max {r['lambda_max']:.6g} ({r['products']} "
-                     'HVPs)' + (f" | trace {r['trace']:.6g} +- {r['trace_se']:.2g} (s.e.)" if args.trace else ''))
+                     'HVPs)' + (f" | trace {r['trace']:.6g} +- {r['trace_se']:.2g} (s.e.)" if args.trace else '')
+                     + f' (NOT converged: --iters {args.iters} ended it before a residual <= --tol |lambda|; raise '
+                     '--iters)' * (not r['converged']))
         reps.append(rep)
     out = dict(reps[0]) if len(reps) == 1 else dict(repeats=reps, **mean_std(reps), blocks={
         name: mean_std([r['blocks'][name] for r in reps]) for name, _ in blocks[1:]})
@@ -558,9 +562,12 @@ def measure_hessian(args, proc, model, loads, n, size, log):
     if args.compare:
         out['compare'] = compare_hessian(model, *(t.to(proc.device) for t in loads[0]), args.seed, proc.log,
                                          args.iters)
+    stopped = sorted({name for r in reps for name, b in [('all', r), *r.get('blocks', {}).items()]
+                      if not b['converged']})
     return dict(out, top_k=args.top_k, iters=args.iters, tol=args.tol, note='eigenvalues: the --top-k largest '
                 'algebraic (Lanczos, full reorthogonalisation; lambda_max the first); trace: Hutchinson (Rademacher), '
-                'trace_se its standard error; density: SLQ nodes and weights; repeats: disjoint image subsets')
+                'trace_se its standard error; density: SLQ nodes and weights; repeats: disjoint image subsets'
+                + f'; NOT converged ({", ".join(stopped)}): --iters came before --tol' * bool(stopped))
 
 
 def compare_hessian(model, x, y, seed, say, most=100, reach=1e-4):
