@@ -183,7 +183,6 @@ def eta(t_loop, done, left):  # time left at the pace since t_loop: `done` steps
     return fmt_time((time.time() - t_loop) / max(done, 1) * left)
 
 
-
 def check_lr_not_all_zero(lrs, args, steps, start, schedule, change):
     """Refuse a run whose every optimizer step has LR 0 under its schedule: it would train nothing, then say `done`
     (bad-inputs-2 S01: --epochs 1 of one step, where locuslab's LR at the step's end is the cycle's final 0). lrs: the

@@ -771,6 +771,9 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
                                  'of resnet50 at 32 px', 'one value per channel']),
     'B11-synthetic-eval-only': (['--synthetic', '--eval-only', '--checkpoint', '{out}/last.pt', '--workers', 0],
                                 ['--eval-only needs --data DIR: --synthetic has no validation set']),
+    'S01-onecycle-one-step': (BASE + ['--batch-size', 200, '--sched', 'onecycle'],  # 200 images: one step in all
+                              ["--epochs 1 with 1 step an epoch: --sched onecycle gives the run's only step LR 0 (it "
+                               'would train nothing): raise --epochs, lower --batch-size, or pass --sched linear']),
     'H12-bomb': (BASE + ['--data', '{bad}/bomb', '--batch-size', 67], [
         "cannot decode the image {bad}/bomb/train/cat/zz_bomb.png (it has more than 178,956,970 pixels, PIL's "
         'decompression-bomb limit']),
