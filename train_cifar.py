@@ -30,8 +30,8 @@ from models import build_model, build_on_meta, channels_last, load_weights, pars
 from pgd import pgd
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
-from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group, leave,
-                   rank_zero_first, setup, since_checkpoint, wrap_ddp)
+from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
+                   given, init_group, leave, rank_zero_first, setup, since_checkpoint, wrap_ddp)
 
 # Defaults of the flags left unset. finetune: the ViT paper's CIFAR fine-tuning (Dosovitskiy et al. 2021, App. B.1.1;
 # vit_jax configs/common.py, train.py, input_pipeline.py): SGD momentum 0.9, batch 512, 10,000 steps (~100 epochs),
@@ -148,9 +148,7 @@ def get_args(argv=None):
 
 
 def lr_at(t, epochs, lr, recipe='locuslab'):
-    """The LR at t epochs: locuslab's one cycle (integer breakpoints); finetune: vit_jax's warm-up x cosine.
-    The loop sets a step's LR at the step's middle, (i + 1/2) / steps. Deviation: locuslab sets it at the step's end,
-    so every run's last step had LR 0, and a run of one step trained nothing (both schedules end at 0)."""
+    """The LR at t epochs: locuslab's one cycle (integer breakpoints); finetune: vit_jax's warm-up x cosine."""
     if recipe == 'finetune':
         warm = WARMUP * epochs
         return lr * min(1.0, t / warm) * 0.5 * (1 + math.cos(math.pi * min(max((t - warm) / (epochs - warm), 0), 1)))
@@ -308,6 +306,10 @@ def main(argv=None):
     model = wrap_ddp(raw, proc)
     fwd = torch.compile(model) if args.compile else model
     start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log) if ckpt else (0, 0, [])
+    check_lr_not_all_zero((lr_at(e + (i + 1) / steps, args.epochs, args.lr, args.recipe)  # the loop's LRs (S01)
+                           for e in range(start_epoch, args.epochs) for i in range(steps)), args, steps, start_epoch,
+                          "locuslab's one-cycle" if args.recipe == 'locuslab' else "vit_jax's warm-up x cosine",
+                          'raise --epochs or --train-subset, or lower --batch-size')
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in raw.parameters()):,} params) on '
         f'{args.dataset}: {len(train_y):,} train / {len(test_y):,} test at {args.img_size} px | {args.epochs} epochs '
@@ -330,7 +332,7 @@ def main(argv=None):
             sums = torch.zeros(2, 4, dtype=torch.float64, device=device)  # (since the last row, epoch) x
             model.train()                                                  # (loss sum, correct, images, gap sum)
             for i in range(steps):
-                lr = lr_at(epoch + (i + 0.5) / steps, args.epochs, args.lr, args.recipe)  # mid-step: never the final 0
+                lr = lr_at(epoch + (i + 1) / steps, args.epochs, args.lr, args.recipe)
                 for group in opt.param_groups:
                     group['lr'] = lr
                 idx = perm[i * args.batch_size + rank * batch:i * args.batch_size + (rank + 1) * batch]

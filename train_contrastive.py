@@ -53,8 +53,8 @@ from loader import node_workers
 from models import build_model, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
-from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, given, init_group,
-                   leave, one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
+from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
+                   given, init_group, leave, one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
 
 # BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -232,7 +232,7 @@ class MoCo(nn.Module):
         get_ema_multi_avg_fn(m)(list(self.momentum_encoder.parameters()), list(self.base_encoder.parameters()), None)
 
 
-def lr_at(t, args):  # main_moco.py adjust_learning_rate at t epochs; the loop takes t mid-step (README dev. 5)
+def lr_at(t, args):  # main_moco.py adjust_learning_rate at t epochs (fractional)
     if t < args.warmup_epochs:
         return args.lr * t / args.warmup_epochs
     return args.lr * 0.5 * (1 + math.cos(math.pi * (t - args.warmup_epochs) / (args.epochs - args.warmup_epochs)))
@@ -451,6 +451,8 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # bf16 and fp32 need no scaling
     model = wrap_ddp(moco, proc)
     start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log) if ckpt else (0, 0, [])
+    check_lr_not_all_zero((lr_at(e + i / steps, args) for e in range(start_epoch, args.epochs) for i in range(steps)),
+                          args, steps, start_epoch, "MoCo v3's warm-up", 'raise --epochs or pass --warmup-epochs 0')
     run_args = {k: v for k, v in vars(args).items() if k != 'saved_args'}
     log(f'{args.model} {" ".join(args.model_kw)} ({sum(p.numel() for p in backbone.parameters()):,} backbone params, '
         f'{sum(p.numel() for p in params):,} trained) MoCo v3 on {args.dataset}: {n_train:,} train / '
@@ -458,10 +460,9 @@ def main(argv=None):
         f'{args.lr:.3g} wd {args.wd} | tau {args.tau} m {args.moco_m} -> 1{f" | SAM rho {args.rho}" * args.sam} | '
         f'amp {proc.amp} | {device}')
     # --- training loop --------------------------------------------------------------------------------------
-    gen = torch.Generator(device)
     last, epoch, saved = out_dir / 'last.pt', start_epoch, (args.resume, start_epoch)  # saved: the last good one
     first_bad = torch.full((), NO_STEP, device=device)  # first non-finite loss, on the device: no sync
-    t_loop, step0 = time.time(), step  # (a resume may change the steps per epoch)
+    gen, t_loop, step0 = torch.Generator(device), time.time(), step  # (a resume may change the steps per epoch)
     try:
         for epoch in range(start_epoch, args.epochs):
             # Every draw of this epoch comes from (seed, epoch): an exact resume at an epoch boundary. Data
@@ -473,7 +474,7 @@ def main(argv=None):
             sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sums: since the last row, this epoch
             moco.train()
             for i in range(steps):
-                lr = lr_at(epoch + (i + 0.5) / steps, args)  # mid-step: main_moco.py's start gave a warm-up LR 0
+                lr = lr_at(epoch + i / steps, args)
                 for group in opt.param_groups:
                     group['lr'] = lr
                 x = decoded_images(next(loader), data['train'].dataset).to(device, non_blocking=True) if loader else \
@@ -535,8 +536,7 @@ def main(argv=None):
                 log(f'stopped after epoch {epoch + 1} (--stop-after-epoch); continue with --resume {last}')
                 break
     except KeyboardInterrupt:
-        log(f'train_contrastive.py: interrupted in epoch {epoch + 1}; {since_checkpoint(saved)}',
-            file=sys.stderr)
+        log(f'train_contrastive.py: interrupted in epoch {epoch + 1}; {since_checkpoint(saved)}', file=sys.stderr)
         sys.exit(130)
     if saved[1] == args.epochs:
         log(done_line(args, history, t_start, last))

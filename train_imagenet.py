@@ -33,8 +33,8 @@ from loader import collate_bytes, node_workers, on_device, train_transform
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
 from runs import discard_new_dirs, load_optimizer_state, prepare_out, read_checkpoint, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
-from utils import (NO_STEP, UserError, check_finite, check_ranges, epoch_seed, eta, fmt_time, init_group, leave,
-                   micro_batch_cap, one_line, score, setup, since_checkpoint, wrap_ddp)
+from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
+                   init_group, leave, micro_batch_cap, one_line, score, setup, since_checkpoint, wrap_ddp)
 
 
 # -----------------------------------------------------------------------------
@@ -243,7 +243,7 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
 
 def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):  # the LR of optimizer step `step` (0-based)
     if sched == 'onecycle':  # locuslab's, as train_cifar.py runs it (t in epochs)
-        t = (step + 0.5) / steps_per_epoch  # in epochs, mid-step; integer breakpoints, as train_cifar.py (lr_at)
+        t = (step + 1) / steps_per_epoch  # in epochs; integer breakpoints, as train_cifar.py
         return float(np.interp(t, [0, epochs * 2 // 5, epochs * 4 // 5, epochs], [0, peak, peak / 20, 0]))
     if step < warmup:  # linear (SAM paper), cosine (ViT fine-tuning): linear warmup, then decay to 0
         return peak * (step + 1) / warmup
@@ -396,15 +396,16 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
     steps = sampler.steps
     step, history = resume(args, model, optimizer, scaler, steps, log) if args.resume else (0, [])
-    last = os.path.join(args.out, 'last.pt')
-    saved = (args.resume, step) if args.resume else (None, 0)  # the last checkpoint
-    info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps,
-                total_steps=args.epochs * steps)
+    total, stop = args.epochs * steps, min(args.epochs * steps, args.max_steps or math.inf)
+    check_lr_not_all_zero((lr_at(s, args.lr, args.sched, args.warmup_steps, args.epochs, steps) for s in
+                           range(step, total)), args, steps, step, f'--sched {args.sched}',
+                          'raise --epochs, lower --batch-size, or pass --sched linear')  # (S01: onecycle, 1 step)
+    last, saved = os.path.join(args.out, 'last.pt'), (args.resume, step) if args.resume else (None, 0)
+    info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps, total_steps=total)
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
         f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
 
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
-    total, stop = args.epochs * steps, min(args.epochs * steps, args.max_steps or math.inf)
     first_bad = torch.full((), NO_STEP, device=device)  # the first step with a non-finite loss, kept on the device
     evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step
     try:

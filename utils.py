@@ -195,6 +195,23 @@ def eta(t_loop, done, left):  # time left at the pace since t_loop: `done` steps
     return fmt_time((time.time() - t_loop) / max(done, 1) * left)
 
 
+def check_lr_not_all_zero(lrs, args, steps, start, schedule, change):
+    """Refuse a run whose every optimizer step has LR 0 under its schedule: it would train nothing, then say `done`
+    (bad-inputs-2 S01: --epochs 1 of one step, where locuslab's LR at the step's end is the cycle's final 0). lrs: the
+    LR of each step this run takes, from its first or resumed step, lazily (the first positive one ends the scan).
+    An explicit --lr 0 (args.lr) trains at LR 0 as asked: not refused. steps an epoch, start (> 0: resumed), the
+    schedule's name and the flags to change: for the message."""
+    n = 0
+    for n, lr in enumerate(lrs if args.lr > 0 else (), 1):
+        if lr > 0:
+            return
+    if n:
+        left = ' left' * bool(start)
+        what = f"the run's only step{left}" if n == 1 else f'all {n} steps{left} of the run'
+        raise UserError(f'--epochs {args.epochs} with {steps} step{"s" * (steps > 1)} an epoch: {schedule} gives '
+                        f'{what} LR 0 (it would train nothing): {change}')
+
+
 # ----- Rules several scripts share, one place each (issue 34): the range of a flag of the same name, and which
 # flags act only with another. The upper bounds of flags that mean the same in every script (check_ranges applies
 # them wherever the flag is checked): torch.manual_seed takes seeds below 2**64 (a sampler adds the epoch: 2**63
@@ -224,6 +241,8 @@ def refuse_loose(parser, argv, rules):
 
 def first_set(*values):  # the first value that is not None: a flag given as 0 is 0, not "unset" (0 == False)
     return next((v for v in values if v is not None), None)
+
+
 # ----- Memory: defaults that fit the device (geometry.py hessian and ntk)
 def free_memory(device):
     """Bytes this process may still allocate: CUDA's mem_get_info, else the RAM the kernel can give without swapping

@@ -389,20 +389,23 @@ def test_resumed_rho_and_wd_reach_the_optimizer(cifar10_dir, tmp_path):
     assert not torch.equal(final['plain']['moco'][key], final['changed']['moco'][key])
 
 
-def test_lr_0_is_kept_and_a_one_step_warm_up_trains(cifar10_dir, tmp_path):
-    """C10: --lr 0 trains at LR 0 (it was replaced by the MoCo v3 default); a run of one step whose warm-up spans it
-    trains at lr/2 (the step's middle), not at the warm-up's start, 0. Oracle: the seed-0 initial weights."""
+def test_lr_0_is_kept_and_a_one_step_warm_up_is_refused(cifar10_dir, tmp_path):
+    """C10: --lr 0 trains at LR 0 (it was replaced by the MoCo v3 default), even where the schedule alone would give
+    0 too. S01's kind: a run of one step whose warm-up spans it is refused in one line, no folder left: MoCo v3 sets
+    a step's LR at the step's start, the warm-up's 0, so it would train nothing."""
     common = ['--data', cifar10_dir, '--train-subset', 32, '--test-subset', 20, '--batch-size', 32, '--epochs', 1,
               *TINY, '--eval', 'knn']
     log = tiny_run(*common, '--warmup-epochs', 0, '--lr', 0, '--out', tmp_path / 'zero')
     assert '| AdamW lr 0 wd 0.1 |' in log
-    one = tiny_run(*common, '--warmup-epochs', 1, '--lr', 1e-3, '--out', tmp_path / 'one')
-    assert 'done |' in one
-    zero, one = (torch.load(tmp_path / name / 'last.pt', weights_only=True) for name in ('zero', 'one'))
+    zero = torch.load(tmp_path / 'zero' / 'last.pt', weights_only=True)
     assert [r['lr'] for r in zero['history'] if r['kind'] == 'train'] == [0]
-    assert [r['lr'] for r in one['history'] if r['kind'] == 'train'] == [pytest.approx(5e-4)]
-    key = 'base_encoder.0.blocks.0.mlp.fc1.weight'
-    assert not torch.equal(zero['moco'][key], one['moco'][key])
+    tiny_run(*common, '--warmup-epochs', 1, '--lr', 0, '--out', tmp_path / 'zero_warm')  # explicit 0: not refused
+    p = start(*common, '--warmup-epochs', 1, '--lr', 1e-3, '--out', tmp_path / 'one')
+    _, err = finish(p, ok=False)
+    assert p.returncode == 1 and 'Traceback' not in err and err.count('\n') == 1, err
+    assert err == ("train_contrastive.py: error: --epochs 1 with 1 step an epoch: MoCo v3's warm-up gives the run's "
+                   'only step LR 0 (it would train nothing): raise --epochs or pass --warmup-epochs 0\n'), err
+    assert not (tmp_path / 'one').exists()
 
 
 def test_data_folders_one_class_16_bit_and_a_decompression_bomb(cifar10_dir, tmp_path):

@@ -61,8 +61,8 @@ def test_a_leaf_imports_no_file_of_the_repo(name):
 def test_a_library_module_imports_leaves_and_lower_library_modules_only(name):
     got = imports(name) & (LEAVES | set(LIBRARY) | set(SCRIPTS))
     assert not got & set(SCRIPTS) and not got & LIBRARY[name], got
-    assert len((REPO / f'{name}.py').read_text().splitlines()) <= (270 if name == 'utils' else 250)  # (utils: issue 36's
-    # memory sizing beside issue 34's shared flag rules)
+    assert len((REPO / f'{name}.py').read_text().splitlines()) <= (290 if name == 'utils' else 250)  # (utils: issue 36's
+    # memory sizing beside issue 34's shared flag rules and LR check)
 
 
 @pytest.mark.parametrize('name', sorted(SCRIPTS))

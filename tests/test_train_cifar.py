@@ -133,11 +133,8 @@ def test_outputs_schedule_and_batchnorm(learning_runs):
         assert set(r) >= ({'loss', 'acc', 'lr', 'img_per_s'} if r['kind'] == 'train' else
                           {'loss', 'top1', 'top5', 'correct', 'n'}) | {'kind', 'epoch', 'step', 'elapsed_s'}
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float))
-    # the last step of epoch e sets lr at its middle, t = e - 1/60; 5 epochs: 0 -> lr at t = 5*2//5 = 2 -> lr/20 at
-    # 5*4//5 = 4 -> 0 at t = 5 (which no step reaches)
-    one_cycle = lambda t: float(np.interp(t, [0, 2, 4, 5], [0, 0.02, 0.001, 0]))
-    assert [r['lr'] for r in train] == pytest.approx([one_cycle(e - 1 / 60) for e in range(1, 6)], abs=1e-12)
-    assert train[-1]['lr'] > 0
+    # the last step of epoch e sets lr(t = e); 5 epochs: 0 -> lr at t = 5*2//5 = 2 -> lr/20 at 5*4//5 = 4 -> 0
+    assert [r['lr'] for r in train] == pytest.approx([0.01, 0.02, 0.0105, 0.001, 0.0], abs=1e-12)
     ckpt = torch.load(out_dir / 'last.pt', weights_only=True)
     assert set(ckpt) >= set(tc.RUN_KEYS) and ckpt['epoch'] == 5 and ckpt['step'] == 150
     assert ckpt['optimizer']['param_groups'][0]['rho'] == 0.05 and ckpt['args']['sam']
@@ -212,7 +209,7 @@ def simulate_sam_epoch(learned, data, epoch, steps, batch, lr_peak, epochs, rho=
                 p.grad = g2
             for b, b0 in zip(model.buffers(), rank0_buffers):
                 b.copy_(b0)
-        t = epoch + (i + 0.5) / steps  # the step's middle
+        t = epoch + (i + 1) / steps
         opt.param_groups[0]['lr'] = float(np.interp(t, [0, epochs * 2 // 5, epochs * 4 // 5, epochs],
                                                     [0, lr_peak, lr_peak / 20, 0]))
         opt.step()
@@ -522,6 +519,13 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
     'P13-qkv-bias-no': (['--model', 'vit_s4_cifar', '--model-kw', 'dim=32', 'depth=1', 'heads=2', 'qkv_bias=no'],
                         ["qkv_bias must be True or False, got 'no'"]),
     'bomb': (['--data', '{data}', '--out', '{dir}/o'], ['cannot decode', 'zz_bomb.png', "decompression-bomb limit"]),
+    # S01: one step in all; locuslab's LR at the step's end is the one cycle's final 0 (t = E = 1): it trains nothing
+    'S01-one-step-at-lr-0': (['--train-subset', 50, '--epochs', 1, '--out', '{dir}/o'],
+                             ["--epochs 1 with 1 step an epoch: locuslab's one-cycle gives the run's only step LR 0 "
+                              '(it would train nothing): raise --epochs or --train-subset, or lower --batch-size']),
+    'S01-resumed-one-step-at-lr-0': (['--resume', '{run}/last.pt', '--epochs', 3, '--batch-size', 200],  # 2 epochs done
+                                     ["--epochs 3 with 1 step an epoch: locuslab's one-cycle gives the run's only step "
+                                      'left LR 0 (it would train nothing)']),
 }
 
 
@@ -783,7 +787,7 @@ def test_finetune_recipe_trains_at_48px(cifar10_dir, tmp_path):
                                                                                           0), 1)))
     train = rows(out, 'train')
     assert [r['step'] for r in train] == [2, 4, 6, 8, 10, 12, 14, 16]  # 3 progress rows + 1 per epoch
-    assert [r['lr'] for r in train] == pytest.approx([vit_jax(r['step'] - 0.5) for r in train], abs=1e-12)  # mid-step
+    assert [r['lr'] for r in train] == pytest.approx([vit_jax(r['step']) for r in train], abs=1e-12)
     assert ckpt['model']['pos_embed'].shape == (1, 145, 32) and ckpt['model']['head.weight'].shape == (10, 32)
     assert (ckpt['model']['blocks.0.attn.qkv.weight'] - theirs['blocks.0.attn.qkv.weight']).abs().max() < 0.5
     assert ckpt['model']['head.weight'].abs().sum() > 0 and rows(out, 'eval')[-1]['n'] == 100
@@ -917,7 +921,7 @@ def test_resume_with_another_batch_size_trains_and_saves_the_epoch(tiny_run, tmp
 
 
 # -----------------------------------------------------------------------------
-# issue 34: resumed flags applied, one-step runs, --eval-only's unused training flags, 16-bit images
+# issue 34: resumed flags applied, --eval-only's unused training flags, 16-bit images
 def tiny_main(*argv):
     with contextlib.redirect_stdout(io.StringIO()) as out:
         tc.main([str(a) for a in argv])
@@ -943,19 +947,6 @@ def test_a_resumed_rho_wd_adaptive_reach_the_optimizer(cifar10_dir, tmp_path):
         assert (group['rho'], group['weight_decay'], group['adaptive']) == (args['rho'], args['wd'], args['adaptive'])
         assert name == 'plain' or args[name] != final['plain']['args'][name]
         assert name == 'plain' or not torch.equal(ckpt['model']['head.weight'], final['plain']['model']['head.weight'])
-
-
-def test_a_one_step_run_trains_at_a_nonzero_lr(cifar10_dir, tmp_path):
-    """S01: one step in all (--epochs 1, one batch): the step's LR is the schedule at the step's middle, not its end
-    (the one cycle's final 0), so the run does not say `done` with the initial weights. Oracle: the seed-0 init."""
-    log = tiny_main('--data', cifar10_dir, '--train-subset', 50, '--test-subset', 20, '--batch-size', 50, '--epochs',
-                    1, *TINY, '--log-every', 0, '--out', tmp_path / 'one')
-    ckpt = torch.load(tmp_path / 'one' / 'last.pt', weights_only=True)
-    assert ckpt['step'] == 1 and 'done |' in log
-    assert [r['lr'] for r in ckpt['history'] if r['kind'] == 'train'] == pytest.approx([0.05 / 20 / 2])  # E = 1
-    torch.manual_seed(0)
-    init = build('convmixer_256_8', 10, models.parse_model_kw(TINY[1:])).state_dict()
-    assert not torch.equal(init['head.weight'], ckpt['model']['head.weight'])
 
 
 def test_eval_only_ignores_the_training_flags_sam_m_included(tiny_run, tmp_path):

@@ -236,10 +236,8 @@ def test_ddp_convmixer_recipe_sam_accumulation_batchnorm_eval_matches_its_checkp
            (5, 'onecycle', 'imagenet', 0.1)
     train = rows(out, 'train')
     assert len(train) == 4
-    for r in train:  # locuslab's integer breakpoints at 2 epochs: 2*2//5 = 0, 2*4//5 = 1; t = (s + 1/2) / 10
-        assert r['lr'] == pytest.approx(0.01 * np.interp((r['step'] - 0.5) / 10, [0, 0, 1, 2], [0, 1, 0.05, 0]),
-                                        rel=1e-9)
-        assert r['lr'] > 0  # the last step too: mid-step, never the schedule's final 0
+    for r in train:  # locuslab's integer breakpoints at 2 epochs: 2*2//5 = 0, 2*4//5 = 1; t = (s + 1) / 10
+        assert r['lr'] == pytest.approx(0.01 * np.interp(r['step'] / 10, [0, 0, 1, 2], [0, 1, 0.05, 0]), rel=1e-9)
         assert math.isfinite(r['loss'])
     single = eval_in_process(['--checkpoint', out / 'last.pt'])  # the model flags come from that run
     assert counts(single) == counts(evals[-1])
@@ -783,6 +781,9 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
                                  'of resnet50 at 32 px', 'one value per channel']),
     'B11-synthetic-eval-only': (['--synthetic', '--eval-only', '--checkpoint', '{out}/last.pt', '--workers', 0],
                                 ['--eval-only needs --data DIR: --synthetic has no validation set']),
+    'S01-onecycle-one-step': (BASE + ['--batch-size', 200, '--sched', 'onecycle'],  # 200 images: one step in all
+                              ["--epochs 1 with 1 step an epoch: --sched onecycle gives the run's only step LR 0 (it "
+                               'would train nothing): raise --epochs, lower --batch-size, or pass --sched linear']),
     'H12-bomb': (BASE + ['--data', '{bad}/bomb', '--batch-size', 67], [
         "cannot decode the image {bad}/bomb/train/cat/zz_bomb.png (it has more than 178,956,970 pixels, PIL's "
         'decompression-bomb limit']),
