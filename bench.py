@@ -358,8 +358,8 @@ def table(rows, gpu=None, peak_tflops=None, measured=None):
     measured (FLOP/s of a large bf16 matmul in this run) adds the MFU of what this GPU achieves."""
     peak = peak_tflops * 1e12 if peak_tflops else PEAK_BF16.get(gpu)
     head = ['row', 'px', 'batch', 'dtype', 'mode', 'ours img/s', 'ref img/s', 'ours/ref', 'SAM/base', 'SAM m/base',
-            'GSAM/SAM', 'peak MiB ours / ref', 'train GFLOP/img'] + ['TFLOP/s ours / ref', 'MFU ours / ref'] * bool(gpu) + \
-        ['MFU of measured ours / ref'] * bool(gpu and measured)
+            'GSAM/SAM', 'peak MiB ours / ref', 'train GFLOP/img'] + \
+        ['TFLOP/s ours / ref', 'MFU ours / ref'] * bool(gpu) + ['MFU of measured ours / ref'] * bool(gpu and measured)
     lines = ['| ' + ' | '.join(head + ['reference; notes']) + ' |', '|' + '---|' * (len(head) + 1)]
     for r in rows:
         ips = [r['batch'] / r[k] if k in r else None for k in ('ours_s', 'ref_s')]

@@ -1,6 +1,7 @@
 """The ImageNet loader's parts that are not the data set: loader workers per process from the node, the training
 transform, per-image seeding, and --decode gpu (the files' bytes from the workers, decoded and transformed on the
-device), and on_device, the batches' last stage. data.ImageFolder uses them; train_imagenet.py, train_contrastive.py and bench.py too."""
+device), and on_device, the batches' last stage. data.ImageFolder uses them; train_imagenet.py, train_contrastive.py
+and bench.py too."""
 import contextlib
 import os
 

@@ -246,6 +246,18 @@ def train_row(epoch, step, lr, sums, images, t_row, t_start, sam=False):
             'elapsed_s': time.time() - t_start}
 
 
+def eval_models(args, raw, n_test, rank, world):
+    """(the model the attack and evaluation run, what evaluate() calls). Not DDP: the ranks see different counts.
+    --compile: static (dynamic=False), since an eval batch unlike the training batch would else make dynamo recompile
+    the forward for any batch size (automatic dynamic shapes); StaticEval pads this rank's tail batch."""
+    if not args.compile:
+        return raw, raw
+    eval_model = torch.compile(raw, dynamic=False)
+    mine = n_test * (rank + 1) // world - n_test * rank // world  # this rank's test images (evaluate's)
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    return eval_model, StaticEval(eval_model, min(args.eval_batch_size, mine), fmt)
+
+
 class StaticEval(nn.Module):
     """--compile's evaluation: a batch smaller than `size` (the tail of the test set, of a rank's slice) is padded with
     zeros to it and its padding's logits dropped, so that one static graph serves every eval batch, not a second,
@@ -286,12 +298,7 @@ def main(argv=None):
     train_x, train_y, test_x, test_y = load_data(args, proc)
     norm = ((0.5,) * 3,) * 2 if args.recipe == 'finetune' else (MEAN[args.dataset], STD[args.dataset])  # (x-m)/s
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in norm)
-    # not DDP: the ranks see different counts. Static (dynamic=False): an eval batch unlike the training batch would
-    # else make dynamo recompile the forward for any batch size (automatic dynamic shapes); StaticEval pads the tail
-    eval_model = torch.compile(raw, dynamic=False) if args.compile else raw
-    mine = len(test_y) * (rank + 1) // world - len(test_y) * rank // world  # this rank's test images (evaluate's)
-    scorer = StaticEval(eval_model, min(args.eval_batch_size, mine), torch.channels_last if args.channels_last else
-                        torch.contiguous_format) if args.compile else eval_model
+    eval_model, scorer = eval_models(args, raw, len(test_y), rank, world)  # (--compile: static shapes)
     test = (test_x, test_y, mean, std, args.eval_batch_size, rank, world, autocast, args.channels_last, args.img_size)
     if args.eval_only:
         r = evaluate(scorer, *test)
@@ -300,8 +307,7 @@ def main(argv=None):
         return leave(proc.ddp)
     steps = len(train_y) // args.batch_size  # the last partial batch is dropped (module docstring)
     augment = make_augment(**{k: getattr(args, k) for k in AUG_FLAGS}, mean=norm[0], std=norm[1], device=device)
-    opt = make_optimizer(args, raw)
-    scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # bf16 and fp32 need no scaling
+    opt, scaler = make_optimizer(args, raw), torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # (bf16)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     model = wrap_ddp(raw, proc)
     fwd = torch.compile(model) if args.compile else model
@@ -361,14 +367,13 @@ def main(argv=None):
                             f'lr {lr:.2e} | {history[-1]["img_per_s"]:,.0f} img/s | '
                             f'eta {eta(t_loop, step - step0, (args.epochs - epoch) * steps - i - 1)}')
                     sums[0], t_row, row_start = 0, time.time(), i + 1  # on every rank: the next row's window
-            if proc.ddp:
+            if proc.ddp:  # the epoch's sums; and rank 0's BatchNorm statistics on every rank, evaluated and saved
                 dist.all_reduce(sums)
+                for buf in raw.buffers():
+                    dist.broadcast(buf, 0)
             check_finite(first_bad, steps, saved, distributed=proc.ddp)
             history.append(train_row(epoch, step, lr, sums[0], (steps - row_start) * args.batch_size, t_row, t_start,
                                      args.sam))
-            if proc.ddp:  # evaluate (and save) exactly rank 0's BatchNorm statistics on every rank
-                for buf in raw.buffers():
-                    dist.broadcast(buf, 0)
             r = evaluate(scorer, *test)
             history.append({'kind': 'eval', 'epoch': epoch + 1, 'step': step, **r, 'elapsed_s': time.time() - t_start})
             loss_sum, correct, count, _ = sums[1].tolist()

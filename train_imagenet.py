@@ -58,7 +58,7 @@ BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
 DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=0, sam=False,
                 rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=None,
-                synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None)  # the same in every recipe (GSAM's None: SAM)
+                synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None)  # the same in every recipe (None: SAM)
 RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
@@ -372,7 +372,6 @@ def main(argv=None):
     init_group(proc)
     val_loader, num_classes, train_loader, sampler, mix = make_data(args, proc, 0 if args.eval_only else per_step // k)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in MEANS[args.norm])
-
     # --- model: trained through DDP; evaluated bare (no collectives: ranks may run unequal eval batches) --------
     torch.manual_seed(args.seed)  # the same initial weights on every rank and world size
     model = build_model(args.model, num_classes, args.img_size, parse_model_kw(args.model_kw))
@@ -386,15 +385,13 @@ def main(argv=None):
         res = score(eval_model, on_device(val_loader, mean, std, fmt), proc.autocast, distributed)
         log(f'eval {args.checkpoint} | test loss {res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% '
             f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
-        leave(distributed)
-        return res
-    # no broadcast of rank 0's BatchNorm statistics before each forward: a training forward does not read them, rank
-    # 0's evolve alike either way, and the epoch-end broadcast below gives the evaluation rank 0's (as saved)
+        return leave(distributed) or res
+    # DDP: no broadcast of rank 0's BatchNorm buffers before each forward (a training forward reads none; the
+    # epoch-end broadcast gives the evaluation rank 0's, as saved). Compiled, DDP overlaps its buckets with backward
     train_model = wrap_ddp(model, proc, broadcast_buffers=False)
-    train_model = torch.compile(train_model) if args.compile else train_model  # DDP overlaps buckets with backward
-    optimizer = make_optimizer(args, model, sampler.steps)
+    train_model, steps = torch.compile(train_model) if args.compile else train_model, sampler.steps
+    optimizer = make_optimizer(args, model, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
-    steps = sampler.steps
     step, history = resume(args, model, optimizer, scaler, steps, log) if args.resume else (0, [])
     total, stop = args.epochs * steps, min(args.epochs * steps, args.max_steps or math.inf)
     check_lr_not_all_zero((lr_at(s, args.lr, args.sched, args.warmup_steps, args.epochs, steps) for s in
@@ -404,7 +401,6 @@ def main(argv=None):
     info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps, total_steps=total)
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
         f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
-
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     first_bad = torch.full((), NO_STEP, device=device)  # the first step with a non-finite loss, kept on the device
     evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step

@@ -306,7 +306,7 @@ def cli(argv, monkeypatch):
     (['--json', '/sys/bench.json'], '--json /sys/bench.json cannot be written: '),  # read-only, even for root
     # issue 34: a flag that acts on nothing (as train_cifar.py refuses --rho without --sam)
     (['--rows', 'cifar', '--img-size', '64', '--compile'], '--img-size, --compile only act with a model row in'),
-    (['--rows', 'cifar', '--sam-m', '8'], '--sam-m only acts with a model row in --rows (the cifar row: 32 px'),
+    (['--rows', 'cifar', '--sam-m', '8'], '--sam-m only acts with a model row in --rows (the cifar and loader rows: no model'),
     (['--rows', 'vit_s16', '--peak-tflops', '900', '--device', 'cpu'], '--peak-tflops only acts with a GPU (MFU)'),
 ])
 def test_bad_flags_are_one_line_before_anything_runs(argv, line, tmp_path, monkeypatch):

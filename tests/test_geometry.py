@@ -498,7 +498,8 @@ def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_
     def on(model, x, result):  # records where the measurement got its model and images
         seen.append((next(model.parameters()).device, x.device))
         return result
-    stubs = dict(hessian_spectrum=lambda m, f, b, *a, **k: on(m, b[0][0], dict(lambda_max=1.0, products=1)),
+    stubs = dict(hessian_spectrum=lambda m, f, b, *a, **k: on(m, b[0][0], dict(lambda_max=1.0, products=1,
+                                                                                eigenvalues=[1.0], residuals=[0.0])),
                  loss_landscape=lambda m, f, b, *a, **k: on(m, b[0][0], (torch.zeros(3), torch.rand(3, 3))),
                  average_flatness=lambda m, f, b, *a, **k: on(m, b[0][0], 0.0),
                  active_neurons=lambda m, b: on(m, b[0][0], {'blocks.0.mlp': 0.5}),
@@ -694,8 +695,8 @@ def tiny_vit_run(path, zero_head=False, **args):  # a last.pt of ours: a 2-block
     ('M01', ['landscape', '--steps', '4'], '--steps must be odd and >= 3 (a grid through 0)'),
     ('M02', ['hessian', '--img-size', '64'], "--img-size only applies to ImageNet models; {ck} is a cifar10 model, "
                                              "which sees its run's 32 px with its data set's mean/std"),
-    ('img-size-0', ['hessian', '--img-size', '0'], '--img-size must be a finite number > 0, got 0'),
-    ('seed-huge', ['neurons', '--seed', str(10 ** 23)], '--seed must be a finite number >= 0 and <= 1844674407370955'),
+    ('img-size-0', ['hessian', '--img-size', '0'], '--img-size must be a finite number > 0 and <= 1024, got 0'),
+    ('seed-huge', ['neurons', '--seed', str(10 ** 23)], '--seed must be a finite number >= 0 and <= 9223372036854775807'),
     ('seed-negative', ['neurons', '--seed', '-1'], '--seed must be a finite number >= 0'),
     ('G04', ['ntk', '--checkpoint', '{zero}'], 'has an all-zero classifier: fine-tune it first (train_cifar.py '
      '--pretrained), or pass --keep-zero-head to measure the collapsed kernel'),

@@ -82,14 +82,14 @@ def test_a_second_call_merges_and_files_stay_under_out_and_few(two_calls):
     assert cifar['eager']['channels_last'] is False and cifar['eager_other_layout']['channels_last'] is True  # (CPU)
     import tarfile
     with tarfile.open(home / 'gc' / 'gpu_check_logs.tar.gz') as tar:
-        assert {'cifar.log', 'augment.log'} <= set(tar.getnames())
+        assert 'cifar.log' in tar.getnames()
 
 
 # augment.py's other functions and the compared ops they run inside (a new op must be compared, or listed here)
 INSIDE = dict(per_image='RandAugment', grayscale='Color', smooth='Sharpness', blend_ops='color_jitter',
               posterize='Posterize', solarize='Solarize', affine_basis='Rotate', ra_magnitudes='Augment.__call__',
               apply_ra_ops='RandAugment', normalize='Augment.__call__', no_tf32='gaussian_blur',
-              make_augment='Augment.__call__')
+              make_augment='Augment.__call__', check_settings='Augment.__call__', moco_view='moco_view 0')
 
 
 def test_the_augment_part_compares_every_listed_op(two_calls):

@@ -714,8 +714,8 @@ CORRUPT = ['--benchmark', 'corrupt', '--subset', 10, '--corruptions', 'gaussian_
     ('N12', [*ATTACK, '--crop-pct', -0.5], '--crop-pct must be a finite number > 0 and <= 1, got -0.5'),
     ('N18', [*ATTACK, '--crop-pct', 87.5], '--crop-pct must be a finite number > 0 and <= 1, got 87.5'),
     ('N19', [*ATTACK, '--crop-pct', 'inf'], '--crop-pct must be a finite number > 0 and <= 1, got inf'),
-    ('N14', [*ATTACK, '--img-size', 0], '--img-size must be a finite number > 0, got 0'),
-    ('seed', [*ATTACK, '--seed', -1], '--seed must be a finite number >= 0 and <= 18446744073709551615, got -1'),
+    ('N14', [*ATTACK, '--img-size', 0], '--img-size must be a finite number > 0 and <= 1024, got 0'),
+    ('seed', [*ATTACK, '--seed', -1], '--seed must be a finite number >= 0 and <= 9223372036854775807, got -1'),
     ('F05', [*ATTACK, '--checkpoint', '{sd}', '--model', 'vit_s4_cifar'], '{sd} does not say which data set its model '
      'was trained on (not a last.pt of ours): pass --dataset cifar10, cifar100 or imagenet'),
     ('F06', [*ATTACK, '--checkpoint', '{sd}', '--model', 'convmixer_256_8'], '{sd} does not say which data set'),
