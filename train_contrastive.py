@@ -448,8 +448,7 @@ def main(argv=None):
     params = [p for p in moco.parameters() if p.requires_grad]  # f_q and the predictor; not f_k, not frozen ones
     opt = SAM(params, torch.optim.AdamW, rho=args.rho, adaptive=args.adaptive, lr=args.lr, weight_decay=args.wd) \
         if args.sam else torch.optim.AdamW(params, lr=args.lr, weight_decay=args.wd)
-    scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # bf16 and fp32 need no scaling
-    model = wrap_ddp(moco, proc)
+    scaler, model = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16'), wrap_ddp(moco, proc)  # (bf16: off)
     start_epoch, step, history = restore(ckpt, opt, scaler, args, NOT_INHERITED, log) if ckpt else (0, 0, [])
     check_lr_not_all_zero((lr_at(e + i / steps, args) for e in range(start_epoch, args.epochs) for i in range(steps)),
                           args, steps, start_epoch, "MoCo v3's warm-up", 'raise --epochs or pass --warmup-epochs 0')
@@ -471,7 +470,7 @@ def main(argv=None):
             gen.manual_seed(epoch_seed(args.seed, epoch))
             perm, loader = epoch_order(args, data, gen, steps, B, b, rank)
             t_epoch, t_row, row_start = time.time(), time.time(), 0
-            sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sums: since the last row, this epoch
+            sums = torch.zeros(2, 2, dtype=torch.float64, device=device)  # (since the last row, epoch) x (loss, gap)
             moco.train()
             for i in range(steps):
                 lr = lr_at(epoch + i / steps, args)
@@ -494,6 +493,7 @@ def main(argv=None):
                         with autocast:
                             loss_sam = model(x1, x2, k1, k2)
                         scaler.scale(loss_sam).backward()
+                    sums[:, 1] += (loss_sam.detach() - loss.detach()).double()  # GSAM's surrogate gap h = f_p - f
                 if args.clip_grad > 0:
                     scaler.unscale_(opt)
                     nn.utils.clip_grad_norm_(params, args.clip_grad)
@@ -505,15 +505,15 @@ def main(argv=None):
                 step += 1
                 loss = loss.detach().double()
                 first_bad = torch.where(loss.isfinite(), first_bad, first_bad.clamp(max=step))
-                sums += loss
+                sums[:, 0] += loss
                 if i + 1 == steps or (args.log_every and (i + 1) % args.log_every == 0):  # a train row
                     if ddp:
                         dist.all_reduce(sums)
                         sums /= world
                     check_finite(first_bad, steps, saved, distributed=ddp)  # the host sync, every row
-                    now = time.time()
-                    history.append(dict(kind='train', epoch=epoch + 1, step=step, lr=lr,
-                                        loss=sums[0].item() / (i + 1 - row_start),
+                    now, avg = time.time(), (sums[0] / (i + 1 - row_start)).tolist()  # (not mean: the pixels')
+                    history.append(dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=avg[0],
+                                        **({'surrogate_gap': avg[1]} if args.sam else {}),
                                         img_per_s=(i + 1 - row_start) * B / (now - t_row), elapsed_s=now - t_start))
                     if proc.master and i + 1 < steps:
                         log(f'ep {epoch + 1}/{args.epochs} step {i + 1}/{steps} | loss {history[-1]["loss"]:.4f} | '
@@ -526,7 +526,7 @@ def main(argv=None):
             due = epoch + 1 == args.epochs or (args.eval_every and (epoch + 1) % args.eval_every == 0)
             evals = evaluate(backbone, data, args, autocast, rank, world, epoch + 1, step, t_start) if due else []
             history += evals
-            log(f'ep {epoch + 1}/{args.epochs} | train loss {sums[1].item() / steps:.4f} | '
+            log(f'ep {epoch + 1}/{args.epochs} | train loss {sums[1, 0].item() / steps:.4f} | '
                 + ''.join(f'{r["protocol"]} acc {r["top1"]:.2f}% | ' for r in evals) + f'{time.time() - t_epoch:.1f} s'
                 f' | eta {eta(t_loop, step - step0, (args.epochs - epoch - 1) * steps)}')
             if proc.master:

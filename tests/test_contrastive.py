@@ -190,6 +190,9 @@ def test_learns_and_exports(cifar10_dir, tmp_path):
         after = {r['protocol']: r['top1'] for r in rows(tmp_path / name, 'eval')}
         for p in ('knn', 'linear'):
             assert after[p] > before[p] + 1.5, (name, p, before, after)
+    # SAM runs log the surrogate gap f_p - f (issue 35): the loss at w + eps-hat sits above the clean loss
+    gaps = [r['surrogate_gap'] for r in rows(tmp_path / 'sam', 'train')]
+    assert gaps and all(g > 0 for g in gaps) and 'surrogate_gap' not in rows(tmp_path / 'plain', 'train')[0]
     # last.pt's 'model': the backbone under timm's keys with vit.py's zero head: strict loads, and
     # train_cifar's fine-tuning loader (a head of other classes replaced)
     path = tmp_path / 'plain' / 'last.pt'
