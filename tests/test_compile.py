@@ -63,7 +63,10 @@ def test_compile_trains_as_eager_and_compiles_one_graph_per_pass(cifar10_dir, tm
     assert len(graphs) == 3 and all(map(static, graphs))
     assert comp_w.keys() == eager_w.keys()
     for k, v in eager_w.items():
-        torch.testing.assert_close(comp_w[k].double(), v.double(), rtol=1e-5, atol=1e-6, msg=k)
+        # aot_eager runs eager's ops (bit-identical here); inductor fuses and reorders fp32 sums (~1e-7 relative a
+        # step, CPU-dependent): 1e-5 over 8 steps, while a wrong graph (a missed BatchNorm update, a stale
+        # recompile) moves weights by far more
+        torch.testing.assert_close(comp_w[k].double(), v.double(), rtol=1e-5, atol=1e-5, msg=k)
     assert [r['correct'] for r in comp_eval] == [r['correct'] for r in eager_eval]
     assert [r['n'] for r in comp_eval] == [40, 40]
     for a, b in zip(comp_eval, eager_eval):

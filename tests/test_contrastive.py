@@ -361,7 +361,7 @@ def test_infonce_logits_are_fp32_under_bf16_autocast():
         got = tc.contrastive_loss(q.bfloat16(), k.bfloat16(), 0.2)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, tc.contrastive_loss(q.bfloat16().float(), k.bfloat16().float(), 0.2),
-                               rtol=1e-6, atol=1e-6)
+                               rtol=1e-5, atol=1e-5)  # (fp32 rounding; a bf16 matmul was ~0.02 off)
     assert abs(got - want) < 0.05  # (the inputs themselves were rounded to bf16)
 
 
