@@ -9,6 +9,7 @@
 Every vector is a flat float64 tensor of the (block's) parameters, in model.parameters() order, on their device;
 the products run in the parameters' dtype and are accumulated in float64. The operators work on any symmetric
 `matvec` (a function of one flat vector), so each algorithm is testable against an explicit matrix."""
+import functools
 import math
 import time
 
@@ -38,6 +39,7 @@ def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
     The fused attention kernels have no double backward: the math kernel is used inside (sdpa_kernel)."""
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
     sizes, dev = [p.numel() for p in params], params[0].device
+    dtype = functools.reduce(torch.promote_types, {p.dtype for p in params})  # v in it once, not per parameter
     n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64, device=dev)).item()
     if mode == 'cached':
         with sdpa_kernel(SDPBackend.MATH):
@@ -64,14 +66,16 @@ def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
                                    retain_graph=mode == 'cached', allow_unused=True)
 
     def matvec(v):
-        out = torch.zeros(sum(sizes), dtype=torch.float64, device=dev)
-        u = [t.view_as(p).to(p.dtype) for t, p in zip(v.split(sizes), params)]
+        out, u = None, [t.view_as(p).to(p.dtype) for t, p in zip(v.to(dtype).split(sizes), params)]
         with sdpa_kernel(SDPBackend.MATH):
             for hv in ((batch_hvp(None, None, u, g) for g in cached) if mode == 'cached' else
                        (batch_hvp(x, y, u) for x, y in batches)):
-                for o, h in zip(out.split(sizes), hv):
-                    if h is not None:
-                        o.add_(h.flatten())
+                flat = torch.cat([p.new_zeros(p.numel()) if h is None else h.flatten() for h, p in zip(hv, params)])
+                # float64 across batches: each batch's product is exact to its dtype's rounding, and so stays
+                # their sum (fp32 partial sums over many batches would add a rounding per batch)
+                out = flat.double() if out is None else out.add_(flat)
+        if out is None:  # no images in this process
+            out = torch.zeros(sum(sizes), dtype=torch.float64, device=dev)
         return all_sum(out)  # one flat tensor per product
 
     return matvec, sum(sizes)
@@ -121,19 +125,26 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
     <= tol |theta_i| (then |theta_i - lambda| <= tol |theta_i| for some eigenvalue lambda), or at an invariant
     subspace (beta ~ 0: the Ritz values are eigenvalues), or after `steps` products.
     which: 'LA' the k largest algebraic (the top of the spectrum: the paper's lambda_max), 'LM' the k largest in
-    magnitude (what power iteration converges to). Memory: the basis, (products + 1) x P of basis_dtype (float32
-    for an fp32 model halves it: its products are only fp32-accurate anyway).
+    magnitude (what power iteration converges to). Memory: the basis, (steps + 1) x P of basis_dtype allocated at
+    the start (float32 for an fp32 model halves it: its products are only fp32-accurate anyway).
     -> dict(eigenvalues (k, 'LA' descending / 'LM' by descending magnitude), residuals, products, history:
     the wanted first eigenvalue after each product, alpha, beta: T's diagonals)."""
-    basis, alpha, beta, history, start = [(v / v.norm()).to(basis_dtype)], [], [], [], time.time()
+    V = torch.empty(min(steps, len(v)) + 1, len(v), dtype=basis_dtype, device=v.device)  # the basis, a row each
+    V[0], alpha, beta, history, start = v / v.norm(), [], [], [], time.time()
     for j in range(steps):
-        w = matvec(basis[-1].double())
-        alpha.append((w @ basis[-1].double()).item())
-        for _ in range(2):  # full reorthogonalisation: Gram-Schmidt against every basis vector, twice ("twice is
-            for b in basis:  # enough", Parlett); this also removes alpha v_j and beta v_{j-1}
-                b = b.double()
-                w -= (b @ w) * b
-        beta.append(w.norm().item())
+        vj = V[j].double()
+        w = matvec(vj)
+        a = w @ vj
+        for _ in range(2):  # full reorthogonalisation: Gram-Schmidt against the whole basis, twice ("twice is
+            if basis_dtype == torch.float64:  # enough": Giraud, Langou & Rozloznik 2005); this also removes alpha v_j
+                w -= V[:j + 1].T @ (V[:j + 1] @ w)  # and beta v_{j-1}. Classical: two matrix-vector products
+            else:  # modified, coefficients in float64: a float32 matrix product sums in float32 (1e-6 of lambda)
+                for b in V[:j + 1]:
+                    b = b.double()
+                    w -= (b @ w) * b
+        a, b = torch.stack([a, w.norm().double()]).tolist()  # one read per step
+        alpha.append(a)
+        beta.append(b)
         theta, s = torch.linalg.eigh(tridiagonal(alpha, beta[:-1]))  # ascending
         order = (theta if which == 'LA' else theta.abs()).argsort(descending=True)[:k]
         res = (beta[-1] * s[-1, order]).abs()
@@ -145,7 +156,7 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
                      f'{res[0].item() / max(abs(history[-1]), 1e-30):.1e} | {time.time() - start:.0f} s')
         if done or invariant:
             break
-        basis.append((w / beta[-1]).to(basis_dtype))
+        V[j + 1] = w / beta[-1]
     return dict(eigenvalues=theta[order].tolist(), residuals=res.tolist(), products=len(alpha), history=history,
                 alpha=alpha, beta=beta[:-1])
 

@@ -199,6 +199,21 @@ def test_pyhessian_top_eigenvalues_and_trace_agree():
     assert abs(got['trace'] - tr.mean().item()) <= 4 * se
 
 
+def test_compare_times_both_products_and_pyhessian_takes_our_power_iterations_steps(cifar10_dir, tmp_path):
+    """--compare on a tiny ViT: PyHessian 0.1's power iteration (the oracle) from the same start lands on our power
+    iteration's lambda after as many products (its normalisation adds 1e-6 to the norm: 5e-6 apart here); each
+    product timed `reps` times (best <= median)."""
+    pytest.importorskip('pyhessian')
+    G.main(['hessian', '--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=1', 'heads=2', '--data',
+            str(cifar10_dir), '--images', '12', '--iters', '30', '--compare', '--out', str(tmp_path)])
+    got = json.loads((tmp_path / 'hessian.json').read_text())['compare']
+    rows = got['rows']
+    assert rows['PyHessian 0.1']['hvps'] == rows['power iteration']['hvps']  # (here: neither within 30 HVPs)
+    assert rows['PyHessian 0.1']['lambda_max'] == pytest.approx(rows['power iteration']['lambda_max'], rel=1e-4)
+    assert rows['Lanczos']['lambda_max'] == pytest.approx(got['reference'], rel=got['reach'])
+    assert all(0 < r['best_s_per_hvp'] <= r['s_per_hvp'] and r['s_per_step'] > 0 for r in rows.values())
+
+
 def test_repeats_split_the_images_disjointly(cifar10_dir, tmp_path):
     """--repeats 3 on 24 images: 3 x 8 images, each repeat's lambda_max that of its own images (every third, the
     classes interleaved) measured directly, mean and std over the three."""
