@@ -54,7 +54,8 @@ from models import build_model, load_weights, parse_model_kw
 from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
-                   given, init_group, leave, one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
+                   given, init_group, leave, one_line, rank_zero_first, setup, since_checkpoint, sync_buffers,
+                   wrap_ddp)
 
 # BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -523,6 +524,8 @@ def main(argv=None):
                             save_atomic(out_dir / 'metrics.jsonl', history)
                     sums[0], t_row, row_start = 0, now, i + 1
             # --- end of epoch: exact evaluation on frozen features, checkpoint -------------------------------
+            sync_buffers(moco, ddp)  # rank 0's BatchNorm statistics on every rank (utils.wrap_ddp; of the global
+            # batch, GlobalBatchNorm1d's, so equal already: this makes it so whatever the model holds), as saved
             due = epoch + 1 == args.epochs or (args.eval_every and (epoch + 1) % args.eval_every == 0)
             evals = evaluate(backbone, data, args, autocast, rank, world, epoch + 1, step, t_start) if due else []
             history += evals

@@ -34,7 +34,8 @@ from models import build_model, build_on_meta, channels_last, load_weights, pars
 from runs import discard_new_dirs, load_optimizer_state, prepare_out, read_checkpoint, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
-                   init_group, leave, micro_batch_cap, one_line, score, setup, since_checkpoint, wrap_ddp)
+                   init_group, leave, micro_batch_cap, one_line, score, setup, since_checkpoint, sync_buffers,
+                   wrap_ddp)
 
 
 # -----------------------------------------------------------------------------
@@ -386,9 +387,9 @@ def main(argv=None):
         log(f'eval {args.checkpoint} | test loss {res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% '
             f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
         return leave(distributed) or res
-    # DDP: no broadcast of rank 0's BatchNorm buffers before each forward (a training forward reads none; the
-    # epoch-end broadcast gives the evaluation rank 0's, as saved). Compiled, DDP overlaps its buckets with backward
-    train_model = wrap_ddp(model, proc, broadcast_buffers=False)
+    # DDP without its broadcast of rank 0's buffers before each forward (utils.wrap_ddp: sync_buffers before each
+    # evaluation and checkpoint instead). Compiled, DDP overlaps its buckets with backward
+    train_model = wrap_ddp(model, proc)
     train_model, steps = torch.compile(train_model) if args.compile else train_model, sampler.steps
     optimizer = make_optimizer(args, model, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
@@ -445,14 +446,13 @@ def main(argv=None):
                     window, n_window, t_window = torch.zeros(2, device=device), 0, time.time()
                 if args.save_every and step % args.save_every == 0 and step % steps:  # mid-epoch checkpoint
                     check_finite(first_bad, steps, saved, 'step', distributed)
+                    sync_buffers(model, distributed)  # rank 0's BatchNorm statistics, as saved, on every rank
                     if master:
                         save_run(args.out, model, optimizer, scaler, step, steps, history, info)
                     saved = (last, step)
             if step % steps:  # --max-steps ended the run mid-epoch
                 break
-            if distributed:  # BatchNorm statistics: evaluate rank 0's, the ones the checkpoint holds
-                for b in model.buffers():
-                    dist.broadcast(b, 0)
+            sync_buffers(model, distributed)  # BatchNorm statistics: evaluate rank 0's, the ones the checkpoint holds
             res = score(eval_model, on_device(val_loader, mean, std, fmt), proc.autocast, distributed)
             if not math.isfinite(res['loss']):
                 raise UserError(f'training diverged: the weights after epoch {epoch + 1} (step {step}) give a '

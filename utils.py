@@ -4,6 +4,7 @@ Nothing here is part of an algorithm: the scripts keep their training loops (and
 import argparse
 import contextlib
 import datetime
+import inspect
 import math
 import numbers
 import os
@@ -132,9 +133,23 @@ def rank_zero_first(proc):
             yield
 
 
-def wrap_ddp(model, proc, **kw):  # DistributedDataParallel under torchrun (on its GPU, or the CPU), else the model
-    ids = [proc.device] if proc.device.type == 'cuda' else None
-    return torch.nn.parallel.DistributedDataParallel(model, ids, **kw) if proc.ddp else model
+def wrap_ddp(model, proc):
+    """DistributedDataParallel under torchrun (on its GPU, or the CPU), else the model. Without DDP's buffer broadcast
+    in every forward (rank 0's BatchNorm running statistics to every rank, twice a SAM step): a training forward reads
+    none (train-mode BatchNorm normalises with the batch's), so each rank's follow its own images until sync_buffers
+    gives every rank rank 0's, where they are read across ranks. (torch 2.14 names it forward_sync_buffers and warns
+    on broadcast_buffers, which older torch, 2.6 up, knows alone.)"""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    off = 'forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(ddp).parameters else 'broadcast_buffers'
+    return ddp(model, [proc.device] if proc.device.type == 'cuda' else None, **{off: False}) if proc.ddp else model
+
+
+def sync_buffers(model, distributed):
+    """Rank 0's buffers on every rank (a collective: every rank calls it). Before each evaluation, sharded over the
+    ranks and exact only if every rank evaluates the same model, and each checkpoint (rank 0's, as saved: a resumed
+    run starts every rank from them)."""
+    for b in model.buffers() if distributed else ():
+        dist.broadcast(b, 0)
 
 
 def leave(distributed):

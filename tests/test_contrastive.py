@@ -40,10 +40,10 @@ def env(**extra):
     return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', **extra}
 
 
-def start(*args, nproc=1, extra_env=None):
+def start(*args, nproc=1, extra_env=None, script=SCRIPT):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node',
                                                     str(nproc), '--master_port', str(free_port())]
-    return subprocess.Popen(launcher + [SCRIPT, *map(str, args)], cwd=REPO, env=env(**(extra_env or {})),
+    return subprocess.Popen(launcher + [script, *map(str, args)], cwd=REPO, env=env(**(extra_env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -150,9 +150,14 @@ def test_momentum_update_is_exact_and_resume_bit_identical(cifar10_dir, tmp_path
 def test_ddp_equals_single_process(cifar10_dir, tmp_path):
     common = ['--data', cifar10_dir, '--train-subset', 192, '--test-subset', 101, '--batch-size', 64,
               '--epochs', 1, '--warmup-epochs', 0, '--lr', 1e-3, *TINY, '--log-every', 1, '--eval-batch-size', 32]
-    one, two = start(*common, '--out', tmp_path / 'one'), start(*common, '--out', tmp_path / 'two', nproc=2)
+    one = start(*common, '--out', tmp_path / 'one')
+    two = start(tmp_path / 'casts', SCRIPT, *common, '--out', tmp_path / 'two', nproc=2,
+                script=str(REPO / 'tests' / 'ddp_broadcasts.py'))  # (the profiler counts the broadcasts)
     finish(one)
     out, _ = finish(two)
+    for rank in (0, 1):  # no buffer broadcast inside a step (DDP's default: in each of the 3 forwards)
+        casts = json.loads((tmp_path / f'casts.{rank}.json').read_text())
+        assert casts['forwards'] == 3 and casts['in_forward'] < 3, casts  # (tests/ddp_broadcasts.py)
     a, b = rows(tmp_path / 'one', 'train'), rows(tmp_path / 'two', 'train')
     assert len(a) == len(b) == 3 and a[0]['loss'] > 1
     # the first step: same views and weights, so only the order of fp32 sums differs (gathered keys, the

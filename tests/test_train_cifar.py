@@ -82,12 +82,12 @@ def rows(out_dir, kind):
     return [r for r in map(json.loads, (out_dir / 'metrics.jsonl').read_text().splitlines()) if r['kind'] == kind]
 
 
-def torchrun(nproc, *args):
+def torchrun(nproc, *args, script=SCRIPT):
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     return check(subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc),
-                                 '--master_port', str(port), SCRIPT, *map(str, args)],
+                                 '--master_port', str(port), script, *map(str, args)],
                                 cwd=REPO, env=env(), capture_output=True, text=True, timeout=600))
 
 
@@ -232,11 +232,20 @@ RTOL, ATOL = 1e-5, 2e-6
 
 def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
     """A 2-process SAM epoch equals the per-replica eps-hat simulation within RTOL, ATOL, which a first pass
-    outside first_pass (eps-hat from all-reduced gradients) misses by ~200 x; then exact DDP evaluation."""
+    outside first_pass (eps-hat from all-reduced gradients) misses by ~200 x; then exact DDP evaluation. No
+    BatchNorm buffer is broadcast inside a step (DDP's default broadcast them in each of the 12 forwards: 24 times
+    a rank, a bucket per dtype), but once, rank 0's to every rank, before the evaluation and checkpoint: the
+    evaluation is that of last.pt (below; without that sync rank 1 evaluates its own statistics)."""
     _, _, _, learned = learning_runs['plain']  # 5 epochs, strong augmentation, lr 0.03, seed 0
     out_dir = tmp_path / 'ddp'
-    torchrun(2, '--data', cifar10_dir, '--train-subset', 480, '--test-subset', 1001, '--batch-size', 80,
-             '--eval-batch-size', 64, '--epochs', 6, '--resume', learned / 'last.pt', '--sam', '--out', out_dir)
+    torchrun(2, tmp_path / 'casts', SCRIPT, '--data', cifar10_dir, '--train-subset', 480, '--test-subset', 1001,
+             '--batch-size', 80, '--eval-batch-size', 64, '--epochs', 6, '--resume', learned / 'last.pt', '--sam',
+             '--out', out_dir, script=str(REPO / 'tests' / 'ddp_broadcasts.py'))  # (the profiler counts broadcasts)
+    n_buffers = len(list(build('convmixer_256_8', 10, tc.parse_model_kw(SMALL[1:])).buffers()))
+    for rank in (0, 1):
+        casts = json.loads((tmp_path / f'casts.{rank}.json').read_text())
+        assert casts['forwards'] == 12 and casts['in_forward'] < 12, casts  # 6 SAM steps of 2 forwards (ddp_broadcasts)
+        assert casts['all'] >= n_buffers, casts  # sync_buffers: one per buffer
     ckpt = torch.load(out_dir / 'last.pt', weights_only=True)
     assert ckpt['args']['model_kw'] == SMALL[1:] and ckpt['epoch'] == 6  # the run's flags were the defaults
     want = simulate_sam_epoch(learned, cifar10_dir, epoch=5, steps=6, batch=40, lr_peak=0.03, epochs=6)

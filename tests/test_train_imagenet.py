@@ -223,12 +223,17 @@ def test_eval_only_on_3_ranks_takes_everything_from_our_checkpoint_and_is_exact(
 def test_ddp_convmixer_recipe_sam_accumulation_batchnorm_eval_matches_its_checkpoint(tiny_imagenet, tmp_path):
     """Tiny ConvMixer (BatchNorm), 2 x gloo, ConvMixer recipe (RandAugment, mixup/cutmix, erasing, smoothing,
     one-cycle) with SAM and 2 accumulation steps, loader workers. Each rank's BatchNorm statistics drift apart
-    in training; the epoch's distributed evaluation must still be that of the saved (rank-0) weights and
-    statistics: a single-process --eval-only of last.pt (model flags from it) gives the logged numbers."""
+    in training (no broadcast inside a step: DDP's default broadcast them in each of the 80 forwards); the epoch's
+    distributed evaluation must still be that of the saved (rank-0) weights and statistics (utils.sync_buffers): a
+    single-process --eval-only of last.pt (model flags from it) gives the logged numbers."""
     out = tmp_path / 'convmixer'
     tiny = ['--model', 'convmixer_256_8', '--model-kw', 'dim=32', 'depth=2', 'patch_size=8', '--img-size', IMG]
-    run(['--data', tiny_imagenet, '--recipe', 'convmixer', '--sam', '--accum-steps', 2, '--workers', 1,
-         '--out', out] + tiny + SCHEDULE, nproc=2)
+    run([tmp_path / 'casts', REPO / 'train_imagenet.py', '--data', tiny_imagenet, '--recipe', 'convmixer', '--sam',
+         '--accum-steps', 2, '--workers', 1, '--out', out] + tiny + SCHEDULE, nproc=2,
+        script=REPO / 'tests' / 'ddp_broadcasts.py')  # (the profiler counts the broadcasts)
+    for rank in (0, 1):  # 20 steps x 2 micro-batches x 2 SAM passes
+        casts = json.loads((tmp_path / f'casts.{rank}.json').read_text())
+        assert casts['forwards'] == 80 and casts['in_forward'] < 80, casts  # (tests/ddp_broadcasts.py)
     evals = rows(out, 'eval')
     assert [r['epoch'] for r in evals] == [1, 2] and all(r['n'] == 33 for r in evals)
     args = json.loads((out / 'args.json').read_text())
