@@ -28,7 +28,7 @@ from augment import make_augment
 from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw, zero_head
 from pgd import pgd
-from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
+from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
                    given, init_group, leave, rank_zero_first, setup, since_checkpoint, sync_buffers, wrap_ddp)
@@ -39,7 +39,7 @@ from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, chec
 RECIPES = {'locuslab': {}, 'finetune': dict(epochs=100, lr=0.03, wd=0.0, clip_grad=1.0, scale=0.05, randaug_n=0)}
 WARMUP = 0.05  # finetune: the warm-up's share of all steps (500 of 10,000)
 RUN_KEYS = ('model', 'optimizer', 'scaler', 'epoch', 'step', 'history', 'args')  # what last.pt holds
-NOT_INHERITED = ('resume', 'checkpoint', 'eval_only', 'out', 'overwrite', 'pretrained')
+NOT_INHERITED = ('resume', 'checkpoint', 'eval_only', 'out', 'overwrite', 'pretrained', *MACHINE_FLAGS)  # (runs.py)
 AUG_FLAGS = ('aug', 'scale', 'randaug_n', 'randaug_m', 'jitter', 'reprob', 'seed')  # augment.make_augment's
 
 

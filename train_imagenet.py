@@ -31,7 +31,8 @@ from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform
 from loader import collate_bytes, node_workers, on_device, train_transform
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
-from runs import discard_new_dirs, load_optimizer_state, prepare_out, read_checkpoint, save_atomic, written_by
+from runs import (MACHINE_FLAGS, discard_new_dirs, load_optimizer_state, machine_line, prepare_out, read_checkpoint,
+                  save_atomic, written_by)
 from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
                    init_group, leave, micro_batch_cap, one_line, score, setup, since_checkpoint, sync_buffers,
@@ -60,7 +61,8 @@ RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
 DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=0, sam=False,
                 rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=None,
                 synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None)  # the same in every recipe (None: SAM)
-RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
+RUN_KEYS = [k for k in ['data', 'recipe', *DEFAULTS, *RECIPES['sam']] if k not in MACHINE_FLAGS]  # what --resume
+# takes from the run (runs.MACHINE_FLAGS: this command line's, or this node's defaults)
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
 POSITIVE = ['epochs', 'batch_size', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct', 'eval_batch_size']
@@ -354,6 +356,7 @@ def resume(args, model, optimizer, scaler, steps, log):
                if old.get(k) != getattr(args, k)]  # only flags given on this command line can differ
     log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
         f'epoch); changed: {", ".join(changed) or "nothing"}')
+    machine_line(args, old, log)
     return step, ckpt['history']
 
 

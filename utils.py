@@ -134,22 +134,16 @@ def rank_zero_first(proc):
 
 
 def wrap_ddp(model, proc):
-    """DistributedDataParallel under torchrun (on its GPU, or the CPU), else the model. Without DDP's buffer broadcast
-    in every forward (rank 0's BatchNorm running statistics to every rank, twice a SAM step): a training forward reads
-    none (train-mode BatchNorm normalises with the batch's), so each rank's follow its own images until sync_buffers
-    gives every rank rank 0's, where they are read across ranks. (torch 2.14 names it forward_sync_buffers and warns
-    on broadcast_buffers, which older torch, 2.6 up, knows alone.)"""
-    ddp = torch.nn.parallel.DistributedDataParallel
+    """DistributedDataParallel under torchrun (its GPU, or the CPU), else the model; no broadcast of rank 0's buffers
+    in every forward, twice a SAM step: no training forward reads a BatchNorm running statistic (sync_buffers)."""
+    ddp = torch.nn.parallel.DistributedDataParallel  # broadcast_buffers: deprecated in torch 2.14, the only name before
     off = 'forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(ddp).parameters else 'broadcast_buffers'
     return ddp(model, [proc.device] if proc.device.type == 'cuda' else None, **{off: False}) if proc.ddp else model
 
 
-def sync_buffers(model, distributed):
-    """Rank 0's buffers on every rank (a collective: every rank calls it). Before each evaluation, sharded over the
-    ranks and exact only if every rank evaluates the same model, and each checkpoint (rank 0's, as saved: a resumed
-    run starts every rank from them)."""
-    for b in model.buffers() if distributed else ():
-        dist.broadcast(b, 0)
+def sync_buffers(model, distributed):  # rank 0's buffers on every rank (a collective) before they are read: each
+    for b in model.buffers() if distributed else ():  # evaluation (sharded: exact only if every rank evaluates the
+        dist.broadcast(b, 0)  # same model) and checkpoint (rank 0's is saved: a resume starts every rank from it)
 
 
 def leave(distributed):

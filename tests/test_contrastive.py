@@ -380,15 +380,24 @@ def tiny_run(*argv):
 
 def test_resumed_rho_and_wd_reach_the_optimizer(cifar10_dir, tmp_path):
     """S13: `changed: --wd 0.1 -> 0.9, --rho 0.05 -> 0.5` is what AdamW and SAM then use: last.pt's optimizer
-    says what its args say, and the weights differ from a plain resume of the same state."""
+    says what its args say, and the weights differ from a plain resume of the same state. Issue 37: --workers,
+    --channels-last, --eval-batch-size describe the machine (runs.MACHINE_FLAGS): each resume takes them from its
+    command line (here unset: this node's defaults), not from the run (stored as another node's), and says so."""
     common = ['--data', cifar10_dir, '--train-subset', 32, '--test-subset', 20, '--batch-size', 32,
               '--warmup-epochs', 0, *TINY, '--eval', 'knn']
     tiny_run(*common, '--epochs', 1, '--sam', '--out', tmp_path / 'first')
+    ckpt = torch.load(tmp_path / 'first' / 'last.pt', weights_only=True)
+    ckpt['args'].update(workers=31, channels_last=True, eval_batch_size=5)  # a 32-core node's run
+    torch.save(ckpt, tmp_path / 'first' / 'last.pt')
     final = {}
     for name, flags in (('plain', []), ('changed', ['--rho', 0.5, '--wd', 0.9])):
         shutil.copytree(tmp_path / 'first', tmp_path / name)
-        tiny_run('--resume', tmp_path / name / 'last.pt', '--epochs', 2, *flags)
+        log = tiny_run('--resume', tmp_path / name / 'last.pt', '--epochs', 2, *flags)
         final[name] = torch.load(tmp_path / name / 'last.pt', weights_only=True)
+        assert (f'machine flags from this command line, not the run: --workers {tc.node_workers()} (the run: 31), '
+                '--channels-last None (the run: True), --eval-batch-size 256 (the run: 5)\n') in log, log
+        args = final[name]['args']
+        assert (args['workers'], args['channels_last'], args['eval_batch_size']) == (tc.node_workers(), None, 256)
     for ckpt in final.values():
         group = ckpt['optimizer']['param_groups'][0]
         assert (group['rho'], group['weight_decay']) == (ckpt['args']['rho'], ckpt['args']['wd'])

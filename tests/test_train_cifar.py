@@ -958,6 +958,25 @@ def test_a_resumed_rho_wd_adaptive_reach_the_optimizer(cifar10_dir, tmp_path):
         assert name == 'plain' or not torch.equal(ckpt['model']['head.weight'], final['plain']['model']['head.weight'])
 
 
+def test_a_resume_takes_the_machine_flags_from_its_own_command_line(cifar10_dir, tmp_path, monkeypatch):
+    """Issue 37: --compile, --channels-last and --eval-batch-size describe the machine (runs.MACHINE_FLAGS): a resume
+    takes them from its own command line, given or defaulted here, not from a run stored by another node (a GPU
+    node's: compiled, NHWC, its eval batch), and says so. Oracle: the flag given, this CPU's defaults (no compile,
+    NCHW); torch.compile must not be called at all."""
+    run = tmp_path / 'run'
+    tiny_main('--data', cifar10_dir, '--train-subset', 100, '--test-subset', 20, '--batch-size', 50, '--epochs', 1,
+              *TINY, '--log-every', 0, '--out', run)
+    ckpt = torch.load(run / 'last.pt', weights_only=True)
+    ckpt['args'].update(compile=True, channels_last=True, eval_batch_size=7)  # as a GPU node's run stores them
+    torch.save(ckpt, run / 'last.pt')
+    monkeypatch.setattr(torch, 'compile', lambda *a, **k: pytest.fail('torch.compile called: --compile of the run'))
+    log = tiny_main('--resume', run / 'last.pt', '--epochs', 2, '--eval-batch-size', 10)
+    assert 'changed: --epochs 1 -> 2\nmachine flags from this command line, not the run: --compile False (the run: ' \
+           'True), --channels-last False (the run: True), --eval-batch-size 10 (the run: 7)\n' in log, log
+    args = torch.load(run / 'last.pt', weights_only=True)['args']
+    assert (args['compile'], args['channels_last'], args['eval_batch_size']) == (False, False, 10)
+
+
 def test_eval_only_ignores_the_training_flags_sam_m_included(tiny_run, tmp_path):
     """A07: --eval-only trains nothing: --sam --sam-m 7 (not dividing the run's batch) does not refuse it."""
     log = tiny_main('--eval-only', '--checkpoint', tiny_run / 'last.pt', '--sam', '--sam-m', 7, '--lr', 5)
