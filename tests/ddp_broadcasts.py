@@ -2,11 +2,11 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/ddp_broadcasts.py OUT SCRIPT [ARGS ...]
 
-writes OUT.<rank>.json: {"forwards": DDP forward calls, "in_forward": broadcasts inside them, "all": broadcasts}.
-DDP with its per-forward buffer broadcast (forward_sync_buffers / broadcast_buffers True, DDP's default) broadcasts
-the module's buffers inside every forward (one c10d::broadcast_ per bucket of them: 2, float and int64, for
-BatchNorm's); without it, in_forward < forwards: DDP's only other broadcasts in a forward are those of its one-time
-bucket rebuild, in its second forward (2 on torch 2.14: not buffers, and not per forward). A broadcast is
+writes OUT.<rank>.json: {"forwards": DDP forward calls, "in_forward": broadcasts inside them, "all": broadcasts,
+"per_forward": the broadcasts inside each forward}. With DDP's buffer broadcast (forward_sync_buffers or
+broadcast_buffers True, DDP's default) a forward broadcasts the module's buffers whenever the one before it
+synchronised gradients (not after a no_sync one): every step, at least once. Without it, a forward's only
+broadcasts are the 2 of DDP's one-time bucket rebuild (in one forward, torch 2.14): in_forward <= 2. A broadcast is
 the c10d::broadcast_ operator the profiler records in the calling thread, which dist.broadcast and DDP's coalesced
 buffer broadcast both dispatch to (the gloo:broadcast event of its work runs in gloo's thread, outside any range).
 """
@@ -41,7 +41,10 @@ if __name__ == '__main__':
         runpy.run_path(script, run_name='__main__')
     events = prof.events()
     casts = [e for e in events if e.name == 'c10d::broadcast_']
-    counts = dict(forwards=sum(e.name == 'ddp_forward' for e in events),
-                  in_forward=sum(inside(e, 'ddp_forward') for e in casts), all=len(casts))
+    forwards = sorted((e for e in events if e.name == 'ddp_forward'), key=lambda e: e.time_range.start)
+    per_forward = [sum(inside(c, 'ddp_forward') and f.time_range.start <= c.time_range.start <= f.time_range.end
+                       for c in casts) for f in forwards]
+    counts = dict(forwards=len(forwards), in_forward=sum(inside(e, 'ddp_forward') for e in casts), all=len(casts),
+                  per_forward=per_forward)
     with open(f'{out}.{os.environ["RANK"]}.json', 'w') as f:
         json.dump(counts, f)

@@ -157,7 +157,7 @@ def test_ddp_equals_single_process(cifar10_dir, tmp_path):
     out, _ = finish(two)
     for rank in (0, 1):  # no buffer broadcast inside a step (DDP's default: in each of the 3 forwards)
         casts = json.loads((tmp_path / f'casts.{rank}.json').read_text())
-        assert casts['forwards'] == 3 and casts['in_forward'] < 3, casts  # (tests/ddp_broadcasts.py)
+        assert casts['forwards'] == 3 and casts['in_forward'] <= 2, casts  # (tests/ddp_broadcasts.py)
     a, b = rows(tmp_path / 'one', 'train'), rows(tmp_path / 'two', 'train')
     assert len(a) == len(b) == 3 and a[0]['loss'] > 1
     # the first step: same views and weights, so only the order of fp32 sums differs (gathered keys, the

@@ -233,8 +233,8 @@ RTOL, ATOL = 1e-5, 2e-6
 def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
     """A 2-process SAM epoch equals the per-replica eps-hat simulation within RTOL, ATOL, which a first pass
     outside first_pass (eps-hat from all-reduced gradients) misses by ~200 x; then exact DDP evaluation. No
-    BatchNorm buffer is broadcast inside a step (DDP's default broadcast them in each of the 12 forwards: 24 times
-    a rank, a bucket per dtype), but once, rank 0's to every rank, before the evaluation and checkpoint: the
+    BatchNorm buffer is broadcast inside a step (DDP's default broadcast them in its forwards: 14 times in the 12,
+    on main before issue 37), but once, rank 0's to every rank, before the evaluation and checkpoint: the
     evaluation is that of last.pt (below; without that sync rank 1 evaluates its own statistics)."""
     _, _, _, learned = learning_runs['plain']  # 5 epochs, strong augmentation, lr 0.03, seed 0
     out_dir = tmp_path / 'ddp'
@@ -244,7 +244,7 @@ def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
     n_buffers = len(list(build('convmixer_256_8', 10, tc.parse_model_kw(SMALL[1:])).buffers()))
     for rank in (0, 1):
         casts = json.loads((tmp_path / f'casts.{rank}.json').read_text())
-        assert casts['forwards'] == 12 and casts['in_forward'] < 12, casts  # 6 SAM steps of 2 forwards (ddp_broadcasts)
+        assert casts['forwards'] == 12 and casts['in_forward'] <= 2, casts  # 6 SAM steps of 2 forwards (ddp_broadcasts)
         assert casts['all'] >= n_buffers, casts  # sync_buffers: one per buffer
     ckpt = torch.load(out_dir / 'last.pt', weights_only=True)
     assert ckpt['args']['model_kw'] == SMALL[1:] and ckpt['epoch'] == 6  # the run's flags were the defaults

@@ -223,7 +223,7 @@ def test_eval_only_on_3_ranks_takes_everything_from_our_checkpoint_and_is_exact(
 def test_ddp_convmixer_recipe_sam_accumulation_batchnorm_eval_matches_its_checkpoint(tiny_imagenet, tmp_path):
     """Tiny ConvMixer (BatchNorm), 2 x gloo, ConvMixer recipe (RandAugment, mixup/cutmix, erasing, smoothing,
     one-cycle) with SAM and 2 accumulation steps, loader workers. Each rank's BatchNorm statistics drift apart
-    in training (no broadcast inside a step: DDP's default broadcast them in each of the 80 forwards); the epoch's
+    in training (no broadcast inside a step: DDP's default broadcast them in forwards, every step); the epoch's
     distributed evaluation must still be that of the saved (rank-0) weights and statistics (utils.sync_buffers): a
     single-process --eval-only of last.pt (model flags from it) gives the logged numbers."""
     out = tmp_path / 'convmixer'
@@ -233,7 +233,7 @@ def test_ddp_convmixer_recipe_sam_accumulation_batchnorm_eval_matches_its_checkp
         script=REPO / 'tests' / 'ddp_broadcasts.py')  # (the profiler counts the broadcasts)
     for rank in (0, 1):  # 20 steps x 2 micro-batches x 2 SAM passes
         casts = json.loads((tmp_path / f'casts.{rank}.json').read_text())
-        assert casts['forwards'] == 80 and casts['in_forward'] < 80, casts  # (tests/ddp_broadcasts.py)
+        assert casts['forwards'] == 80 and casts['in_forward'] <= 2, casts  # (tests/ddp_broadcasts.py)
     evals = rows(out, 'eval')
     assert [r['epoch'] for r in evals] == [1, 2] and all(r['n'] == 33 for r in evals)
     args = json.loads((out / 'args.json').read_text())
