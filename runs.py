@@ -109,8 +109,24 @@ def save_atomic(path, obj):
         tmp.unlink(missing_ok=True)
 
 
+# Flags that describe the machine, not the experiment: on --resume they come from this command line (given, or their
+# default on this node: its cores, its GPU's memory, its device), never from the run, which may have run on another
+# node (every script has those it defines). Any numerics they move are rounding: compile's and channels_last's fused
+# or reordered sums, decode gpu's JPEG decoder; max_micro_batch's split of the global batch (BatchNorm: its batches).
+# --log-every, --eval-every, --save-every, --amp shape the run's record, schedule and numerics: the run's, unless given.
+MACHINE_FLAGS = ('workers', 'decode', 'compile', 'channels_last', 'max_micro_batch', 'eval_batch_size')
+
+
+def machine_line(args, saved, log):
+    """--resume: announce the MACHINE_FLAGS this process took (those args has), each with the run's where it differs."""
+    took = [f'--{k.replace("_", "-")} {v}' + (f' (the run: {saved[k]})' if k in saved and saved[k] != v else '')
+            for k, v in ((k, getattr(args, k)) for k in MACHINE_FLAGS if hasattr(args, k))]
+    log(f'machine flags from this command line, not the run: {", ".join(took)}')
+
+
 def restore(ckpt, opt, scaler, args, not_inherited, log):
-    """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags. -> (epoch, step, history)"""
+    """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags (not_inherited: flags never
+    taken from the run, MACHINE_FLAGS among them; machine_line names those). -> (epoch, step, history)"""
     try:
         load_optimizer_state(opt, ckpt['optimizer'])
     except (ValueError, KeyError, RuntimeError) as e:
@@ -123,6 +139,7 @@ def restore(ckpt, opt, scaler, args, not_inherited, log):
                if k in args.saved_args and k not in not_inherited and args.saved_args[k] != v]
     log(f"resumed {args.resume} at epoch {ckpt['epoch']}, step {ckpt['step']}; "
         f"changed: {', '.join(changed) or 'nothing'}")
+    machine_line(args, args.saved_args, log)
     return ckpt['epoch'], ckpt['step'], ckpt['history']
 
 

@@ -28,10 +28,10 @@ from augment import make_augment
 from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw, zero_head
 from pgd import pgd
-from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
+from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
-                   given, init_group, leave, rank_zero_first, setup, since_checkpoint, wrap_ddp)
+                   given, init_group, leave, rank_zero_first, setup, since_checkpoint, sync_buffers, wrap_ddp)
 
 # Defaults of the flags left unset. finetune: the ViT paper's CIFAR fine-tuning (Dosovitskiy et al. 2021, App. B.1.1;
 # vit_jax configs/common.py, train.py, input_pipeline.py): SGD momentum 0.9, batch 512, 10,000 steps (~100 epochs),
@@ -39,7 +39,7 @@ from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, chec
 RECIPES = {'locuslab': {}, 'finetune': dict(epochs=100, lr=0.03, wd=0.0, clip_grad=1.0, scale=0.05, randaug_n=0)}
 WARMUP = 0.05  # finetune: the warm-up's share of all steps (500 of 10,000)
 RUN_KEYS = ('model', 'optimizer', 'scaler', 'epoch', 'step', 'history', 'args')  # what last.pt holds
-NOT_INHERITED = ('resume', 'checkpoint', 'eval_only', 'out', 'overwrite', 'pretrained')
+NOT_INHERITED = ('resume', 'checkpoint', 'eval_only', 'out', 'overwrite', 'pretrained', *MACHINE_FLAGS)  # (runs.py)
 AUG_FLAGS = ('aug', 'scale', 'randaug_n', 'randaug_m', 'jitter', 'reprob', 'seed')  # augment.make_augment's
 
 
@@ -344,6 +344,7 @@ def main(argv=None):
                 idx = perm[i * args.batch_size + rank * batch:i * args.batch_size + (rank + 1) * batch]
                 x, y = resize(augment(train_x[idx]), args.img_size), train_y[idx]
                 if args.adv:  # PGD on [0, 1] pixels (normalised inside), made at w in eval mode: no BatchNorm update
+                    # (under DDP with this rank's running statistics, which follow its own images: utils.wrap_ddp)
                     with autocast:
                         x = (pgd(eval_model, x * std + mean, y, args.adv_eps / 255, args.adv_alpha / 255,
                                  args.adv_steps, normalize=lambda v: (v - mean) / std) - mean) / std
@@ -367,10 +368,9 @@ def main(argv=None):
                             f'lr {lr:.2e} | {history[-1]["img_per_s"]:,.0f} img/s | '
                             f'eta {eta(t_loop, step - step0, (args.epochs - epoch) * steps - i - 1)}')
                     sums[0], t_row, row_start = 0, time.time(), i + 1  # on every rank: the next row's window
-            if proc.ddp:  # the epoch's sums; and rank 0's BatchNorm statistics on every rank, evaluated and saved
+            if proc.ddp:  # the epoch's sums
                 dist.all_reduce(sums)
-                for buf in raw.buffers():
-                    dist.broadcast(buf, 0)
+            sync_buffers(raw, proc.ddp)  # rank 0's BatchNorm statistics on every rank: evaluated and saved
             check_finite(first_bad, steps, saved, distributed=proc.ddp)
             history.append(train_row(epoch, step, lr, sums[0], (steps - row_start) * args.batch_size, t_row, t_start,
                                      args.sam))

@@ -51,16 +51,17 @@ from data import MEAN, NUM_CLASSES, STD, ImageFolder, load_cifar
 from images import decoded_images
 from loader import node_workers
 from models import build_model, load_weights, parse_model_kw
-from runs import discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
+from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
-                   given, init_group, leave, one_line, rank_zero_first, setup, since_checkpoint, wrap_ddp)
+                   given, init_group, leave, one_line, rank_zero_first, setup, since_checkpoint, sync_buffers,
+                   wrap_ddp)
 
 # BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 ARCH = ('dataset', 'model', 'model_kw', 'img_size', 'proj_hidden', 'proj_dim', 'pos_embed', 'freeze_patch_embed')
 RUN_KEYS = {'model', 'moco', 'optimizer', 'scaler', 'epoch', 'step', 'history', 'args'}  # what last.pt holds
-NOT_INHERITED = ('resume', 'checkpoint', 'eval_only', 'out', 'overwrite', 'stop_after_epoch')
+NOT_INHERITED = ('resume', 'checkpoint', 'eval_only', 'out', 'overwrite', 'stop_after_epoch', *MACHINE_FLAGS)  # runs
 
 
 # -----------------------------------------------------------------------------
@@ -522,7 +523,7 @@ def main(argv=None):
                         if saved[0] or not args.overwrite:  # --overwrite: the old run stays whole until epoch 1 ends
                             save_atomic(out_dir / 'metrics.jsonl', history)
                     sums[0], t_row, row_start = 0, now, i + 1
-            # --- end of epoch: exact evaluation on frozen features, checkpoint -------------------------------
+            sync_buffers(moco, ddp)  # --- end of epoch: rank 0's BatchNorm statistics, exact evaluation, checkpoint
             due = epoch + 1 == args.epochs or (args.eval_every and (epoch + 1) % args.eval_every == 0)
             evals = evaluate(backbone, data, args, autocast, rank, world, epoch + 1, step, t_start) if due else []
             history += evals

@@ -31,10 +31,12 @@ from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform
 from loader import collate_bytes, node_workers, on_device, train_transform
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
-from runs import discard_new_dirs, load_optimizer_state, prepare_out, read_checkpoint, save_atomic, written_by
+from runs import (MACHINE_FLAGS, discard_new_dirs, load_optimizer_state, machine_line, prepare_out, read_checkpoint,
+                  save_atomic, written_by)
 from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
-                   init_group, leave, micro_batch_cap, one_line, score, setup, since_checkpoint, wrap_ddp)
+                   init_group, leave, micro_batch_cap, one_line, score, setup, since_checkpoint, sync_buffers,
+                   wrap_ddp)
 
 
 # -----------------------------------------------------------------------------
@@ -59,7 +61,8 @@ RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
 DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=0, sam=False,
                 rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=None,
                 synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None)  # the same in every recipe (None: SAM)
-RUN_KEYS = ['data', 'recipe', *DEFAULTS, *RECIPES['sam']]  # what --resume takes from the run
+RUN_KEYS = [k for k in ['data', 'recipe', *DEFAULTS, *RECIPES['sam']] if k not in MACHINE_FLAGS]  # what --resume
+# takes from the run (runs.MACHINE_FLAGS: this command line's, or this node's defaults)
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
 POSITIVE = ['epochs', 'batch_size', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct', 'eval_batch_size']
@@ -353,6 +356,7 @@ def resume(args, model, optimizer, scaler, steps, log):
                if old.get(k) != getattr(args, k)]  # only flags given on this command line can differ
     log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
         f'epoch); changed: {", ".join(changed) or "nothing"}')
+    machine_line(args, old, log)
     return step, ckpt['history']
 
 
@@ -386,9 +390,9 @@ def main(argv=None):
         log(f'eval {args.checkpoint} | test loss {res["loss"]:.4f} acc {res["top1"]:.2f}% top-5 {res["top5"]:.2f}% '
             f'({res["correct"]:,}/{res["n"]:,})\n{json.dumps(res)}')
         return leave(distributed) or res
-    # DDP: no broadcast of rank 0's BatchNorm buffers before each forward (a training forward reads none; the
-    # epoch-end broadcast gives the evaluation rank 0's, as saved). Compiled, DDP overlaps its buckets with backward
-    train_model = wrap_ddp(model, proc, broadcast_buffers=False)
+    # DDP without its broadcast of rank 0's buffers before each forward (utils.wrap_ddp: sync_buffers before each
+    # evaluation and checkpoint instead). Compiled, DDP overlaps its buckets with backward
+    train_model = wrap_ddp(model, proc)
     train_model, steps = torch.compile(train_model) if args.compile else train_model, sampler.steps
     optimizer = make_optimizer(args, model, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
@@ -445,14 +449,13 @@ def main(argv=None):
                     window, n_window, t_window = torch.zeros(2, device=device), 0, time.time()
                 if args.save_every and step % args.save_every == 0 and step % steps:  # mid-epoch checkpoint
                     check_finite(first_bad, steps, saved, 'step', distributed)
+                    sync_buffers(model, distributed)  # rank 0's BatchNorm statistics, as saved, on every rank
                     if master:
                         save_run(args.out, model, optimizer, scaler, step, steps, history, info)
                     saved = (last, step)
             if step % steps:  # --max-steps ended the run mid-epoch
                 break
-            if distributed:  # BatchNorm statistics: evaluate rank 0's, the ones the checkpoint holds
-                for b in model.buffers():
-                    dist.broadcast(b, 0)
+            sync_buffers(model, distributed)  # BatchNorm statistics: evaluate rank 0's, the ones the checkpoint holds
             res = score(eval_model, on_device(val_loader, mean, std, fmt), proc.autocast, distributed)
             if not math.isfinite(res['loss']):
                 raise UserError(f'training diverged: the weights after epoch {epoch + 1} (step {step}) give a '

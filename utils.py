@@ -4,6 +4,7 @@ Nothing here is part of an algorithm: the scripts keep their training loops (and
 import argparse
 import contextlib
 import datetime
+import inspect
 import math
 import numbers
 import os
@@ -132,9 +133,17 @@ def rank_zero_first(proc):
             yield
 
 
-def wrap_ddp(model, proc, **kw):  # DistributedDataParallel under torchrun (on its GPU, or the CPU), else the model
-    ids = [proc.device] if proc.device.type == 'cuda' else None
-    return torch.nn.parallel.DistributedDataParallel(model, ids, **kw) if proc.ddp else model
+def wrap_ddp(model, proc):
+    """DistributedDataParallel under torchrun (its GPU, or the CPU), else the model; no broadcast of rank 0's buffers
+    in every forward, twice a SAM step: no training forward reads a BatchNorm running statistic (sync_buffers)."""
+    ddp = torch.nn.parallel.DistributedDataParallel  # broadcast_buffers: deprecated in torch 2.14, the only name before
+    off = 'forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(ddp).parameters else 'broadcast_buffers'
+    return ddp(model, [proc.device] if proc.device.type == 'cuda' else None, **{off: False}) if proc.ddp else model
+
+
+def sync_buffers(model, distributed):  # rank 0's buffers on every rank (a collective) before they are read: each
+    for b in model.buffers() if distributed else ():  # evaluation (sharded: exact only if every rank evaluates the
+        dist.broadcast(b, 0)  # same model) and checkpoint (rank 0's is saved: a resume starts every rank from it)
 
 
 def leave(distributed):

@@ -40,10 +40,10 @@ def env(**extra):
     return {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', **extra}
 
 
-def start(*args, nproc=1, extra_env=None):
+def start(*args, nproc=1, extra_env=None, script=SCRIPT):
     launcher = [sys.executable] if nproc == 1 else [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node',
                                                     str(nproc), '--master_port', str(free_port())]
-    return subprocess.Popen(launcher + [SCRIPT, *map(str, args)], cwd=REPO, env=env(**(extra_env or {})),
+    return subprocess.Popen(launcher + [script, *map(str, args)], cwd=REPO, env=env(**(extra_env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -150,9 +150,14 @@ def test_momentum_update_is_exact_and_resume_bit_identical(cifar10_dir, tmp_path
 def test_ddp_equals_single_process(cifar10_dir, tmp_path):
     common = ['--data', cifar10_dir, '--train-subset', 192, '--test-subset', 101, '--batch-size', 64,
               '--epochs', 1, '--warmup-epochs', 0, '--lr', 1e-3, *TINY, '--log-every', 1, '--eval-batch-size', 32]
-    one, two = start(*common, '--out', tmp_path / 'one'), start(*common, '--out', tmp_path / 'two', nproc=2)
+    one = start(*common, '--out', tmp_path / 'one')
+    two = start(tmp_path / 'casts', SCRIPT, *common, '--out', tmp_path / 'two', nproc=2,
+                script=str(REPO / 'tests' / 'ddp_broadcasts.py'))  # (the profiler counts the broadcasts)
     finish(one)
     out, _ = finish(two)
+    for rank in (0, 1):  # no buffer broadcast inside a step (DDP's default: in each of the 3 forwards)
+        casts = json.loads((tmp_path / f'casts.{rank}.json').read_text())
+        assert casts['forwards'] == 3 and casts['in_forward'] <= 2, casts  # (tests/ddp_broadcasts.py)
     a, b = rows(tmp_path / 'one', 'train'), rows(tmp_path / 'two', 'train')
     assert len(a) == len(b) == 3 and a[0]['loss'] > 1
     # the first step: same views and weights, so only the order of fp32 sums differs (gathered keys, the
@@ -375,15 +380,24 @@ def tiny_run(*argv):
 
 def test_resumed_rho_and_wd_reach_the_optimizer(cifar10_dir, tmp_path):
     """S13: `changed: --wd 0.1 -> 0.9, --rho 0.05 -> 0.5` is what AdamW and SAM then use: last.pt's optimizer
-    says what its args say, and the weights differ from a plain resume of the same state."""
+    says what its args say, and the weights differ from a plain resume of the same state. Issue 37: --workers,
+    --channels-last, --eval-batch-size describe the machine (runs.MACHINE_FLAGS): each resume takes them from its
+    command line (here unset: this node's defaults), not from the run (stored as another node's), and says so."""
     common = ['--data', cifar10_dir, '--train-subset', 32, '--test-subset', 20, '--batch-size', 32,
               '--warmup-epochs', 0, *TINY, '--eval', 'knn']
     tiny_run(*common, '--epochs', 1, '--sam', '--out', tmp_path / 'first')
+    ckpt = torch.load(tmp_path / 'first' / 'last.pt', weights_only=True)
+    ckpt['args'].update(workers=31, channels_last=True, eval_batch_size=5)  # a 32-core node's run
+    torch.save(ckpt, tmp_path / 'first' / 'last.pt')
     final = {}
     for name, flags in (('plain', []), ('changed', ['--rho', 0.5, '--wd', 0.9])):
         shutil.copytree(tmp_path / 'first', tmp_path / name)
-        tiny_run('--resume', tmp_path / name / 'last.pt', '--epochs', 2, *flags)
+        log = tiny_run('--resume', tmp_path / name / 'last.pt', '--epochs', 2, *flags)
         final[name] = torch.load(tmp_path / name / 'last.pt', weights_only=True)
+        assert (f'machine flags from this command line, not the run: --workers {tc.node_workers()} (the run: 31), '
+                '--channels-last None (the run: True), --eval-batch-size 256 (the run: 5)\n') in log, log
+        args = final[name]['args']
+        assert (args['workers'], args['channels_last'], args['eval_batch_size']) == (tc.node_workers(), None, 256)
     for ckpt in final.values():
         group = ckpt['optimizer']['param_groups'][0]
         assert (group['rho'], group['weight_decay']) == (ckpt['args']['rho'], ckpt['args']['wd'])

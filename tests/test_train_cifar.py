@@ -82,12 +82,12 @@ def rows(out_dir, kind):
     return [r for r in map(json.loads, (out_dir / 'metrics.jsonl').read_text().splitlines()) if r['kind'] == kind]
 
 
-def torchrun(nproc, *args):
+def torchrun(nproc, *args, script=SCRIPT):
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     return check(subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc),
-                                 '--master_port', str(port), SCRIPT, *map(str, args)],
+                                 '--master_port', str(port), script, *map(str, args)],
                                 cwd=REPO, env=env(), capture_output=True, text=True, timeout=600))
 
 
@@ -232,11 +232,20 @@ RTOL, ATOL = 1e-5, 2e-6
 
 def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
     """A 2-process SAM epoch equals the per-replica eps-hat simulation within RTOL, ATOL, which a first pass
-    outside first_pass (eps-hat from all-reduced gradients) misses by ~200 x; then exact DDP evaluation."""
+    outside first_pass (eps-hat from all-reduced gradients) misses by ~200 x; then exact DDP evaluation. No
+    BatchNorm buffer is broadcast inside a step (DDP's default broadcast them in its forwards: 14 times in the 12,
+    on main before issue 37), but once, rank 0's to every rank, before the evaluation and checkpoint: the
+    evaluation is that of last.pt (below; without that sync rank 1 evaluates its own statistics)."""
     _, _, _, learned = learning_runs['plain']  # 5 epochs, strong augmentation, lr 0.03, seed 0
     out_dir = tmp_path / 'ddp'
-    torchrun(2, '--data', cifar10_dir, '--train-subset', 480, '--test-subset', 1001, '--batch-size', 80,
-             '--eval-batch-size', 64, '--epochs', 6, '--resume', learned / 'last.pt', '--sam', '--out', out_dir)
+    torchrun(2, tmp_path / 'casts', SCRIPT, '--data', cifar10_dir, '--train-subset', 480, '--test-subset', 1001,
+             '--batch-size', 80, '--eval-batch-size', 64, '--epochs', 6, '--resume', learned / 'last.pt', '--sam',
+             '--out', out_dir, script=str(REPO / 'tests' / 'ddp_broadcasts.py'))  # (the profiler counts broadcasts)
+    n_buffers = len(list(build('convmixer_256_8', 10, tc.parse_model_kw(SMALL[1:])).buffers()))
+    for rank in (0, 1):
+        casts = json.loads((tmp_path / f'casts.{rank}.json').read_text())
+        assert casts['forwards'] == 12 and casts['in_forward'] <= 2, casts  # 6 SAM steps of 2 forwards (ddp_broadcasts)
+        assert casts['all'] >= n_buffers, casts  # sync_buffers: one per buffer
     ckpt = torch.load(out_dir / 'last.pt', weights_only=True)
     assert ckpt['args']['model_kw'] == SMALL[1:] and ckpt['epoch'] == 6  # the run's flags were the defaults
     want = simulate_sam_epoch(learned, cifar10_dir, epoch=5, steps=6, batch=40, lr_peak=0.03, epochs=6)
@@ -947,6 +956,25 @@ def test_a_resumed_rho_wd_adaptive_reach_the_optimizer(cifar10_dir, tmp_path):
         assert (group['rho'], group['weight_decay'], group['adaptive']) == (args['rho'], args['wd'], args['adaptive'])
         assert name == 'plain' or args[name] != final['plain']['args'][name]
         assert name == 'plain' or not torch.equal(ckpt['model']['head.weight'], final['plain']['model']['head.weight'])
+
+
+def test_a_resume_takes_the_machine_flags_from_its_own_command_line(cifar10_dir, tmp_path, monkeypatch):
+    """Issue 37: --compile, --channels-last and --eval-batch-size describe the machine (runs.MACHINE_FLAGS): a resume
+    takes them from its own command line, given or defaulted here, not from a run stored by another node (a GPU
+    node's: compiled, NHWC, its eval batch), and says so. Oracle: the flag given, this CPU's defaults (no compile,
+    NCHW); torch.compile must not be called at all."""
+    run = tmp_path / 'run'
+    tiny_main('--data', cifar10_dir, '--train-subset', 100, '--test-subset', 20, '--batch-size', 50, '--epochs', 1,
+              *TINY, '--log-every', 0, '--out', run)
+    ckpt = torch.load(run / 'last.pt', weights_only=True)
+    ckpt['args'].update(compile=True, channels_last=True, eval_batch_size=7)  # as a GPU node's run stores them
+    torch.save(ckpt, run / 'last.pt')
+    monkeypatch.setattr(torch, 'compile', lambda *a, **k: pytest.fail('torch.compile called: --compile of the run'))
+    log = tiny_main('--resume', run / 'last.pt', '--epochs', 2, '--eval-batch-size', 10)
+    assert 'changed: --epochs 1 -> 2\nmachine flags from this command line, not the run: --compile False (the run: ' \
+           'True), --channels-last False (the run: True), --eval-batch-size 10 (the run: 7)\n' in log, log
+    args = torch.load(run / 'last.pt', weights_only=True)['args']
+    assert (args['compile'], args['channels_last'], args['eval_batch_size']) == (False, False, 10)
 
 
 def test_eval_only_ignores_the_training_flags_sam_m_included(tiny_run, tmp_path):

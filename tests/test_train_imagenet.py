@@ -223,12 +223,17 @@ def test_eval_only_on_3_ranks_takes_everything_from_our_checkpoint_and_is_exact(
 def test_ddp_convmixer_recipe_sam_accumulation_batchnorm_eval_matches_its_checkpoint(tiny_imagenet, tmp_path):
     """Tiny ConvMixer (BatchNorm), 2 x gloo, ConvMixer recipe (RandAugment, mixup/cutmix, erasing, smoothing,
     one-cycle) with SAM and 2 accumulation steps, loader workers. Each rank's BatchNorm statistics drift apart
-    in training; the epoch's distributed evaluation must still be that of the saved (rank-0) weights and
-    statistics: a single-process --eval-only of last.pt (model flags from it) gives the logged numbers."""
+    in training (no broadcast inside a step: DDP's default broadcast them in forwards, every step); the epoch's
+    distributed evaluation must still be that of the saved (rank-0) weights and statistics (utils.sync_buffers): a
+    single-process --eval-only of last.pt (model flags from it) gives the logged numbers."""
     out = tmp_path / 'convmixer'
     tiny = ['--model', 'convmixer_256_8', '--model-kw', 'dim=32', 'depth=2', 'patch_size=8', '--img-size', IMG]
-    run(['--data', tiny_imagenet, '--recipe', 'convmixer', '--sam', '--accum-steps', 2, '--workers', 1,
-         '--out', out] + tiny + SCHEDULE, nproc=2)
+    run([tmp_path / 'casts', REPO / 'train_imagenet.py', '--data', tiny_imagenet, '--recipe', 'convmixer', '--sam',
+         '--accum-steps', 2, '--workers', 1, '--out', out] + tiny + SCHEDULE, nproc=2,
+        script=REPO / 'tests' / 'ddp_broadcasts.py')  # (the profiler counts the broadcasts)
+    for rank in (0, 1):  # 20 steps x 2 micro-batches x 2 SAM passes
+        casts = json.loads((tmp_path / f'casts.{rank}.json').read_text())
+        assert casts['forwards'] == 80 and casts['in_forward'] <= 2, casts  # (tests/ddp_broadcasts.py)
     evals = rows(out, 'eval')
     assert [r['epoch'] for r in evals] == [1, 2] and all(r['n'] == 33 for r in evals)
     args = json.loads((out / 'args.json').read_text())
@@ -325,13 +330,25 @@ def test_kill_during_a_save_then_resume_equals_the_uninterrupted_fp16_run(tiny_i
     assert sorted(os.listdir(tmp_path / 'cut')) == ['.lock', 'args.json', 'last.pt', 'metrics.jsonl']  # no .tmp
 
 
-def test_resume_with_sam_of_a_run_without_it_says_so(vit_runs, tmp_path, capsys):
+def test_resume_with_sam_of_a_run_without_it_says_so_and_takes_the_machine_flags_from_its_command_line(
+        vit_runs, tmp_path, capsys):
+    """A changed --sam is named. Issue 37: --workers, --decode, --max-micro-batch describe the machine
+    (runs.MACHINE_FLAGS): the resume takes them from its command line (given, or this node's default), not from the
+    run, stored here as an 8-core GPU node's (7 workers, decoding on the GPU, 4096 images a micro-batch), and says
+    so. Oracle: the flag given, the defaults on this CPU (decode cpu, micro-batches of at most 256)."""
     shutil.copytree(vit_runs['A'], tmp_path / 'run')
-    main(['--resume', tmp_path / 'run' / 'last.pt', '--sam', '--epochs', 3])  # --workers: the run's 0, not 8
-    assert 'at epoch 3, step 20 (0 of 10 in this epoch); changed: --sam False -> True, --epochs 2 -> 3\n' in \
-        capsys.readouterr().out
+    ckpt = load(tmp_path / 'run' / 'last.pt')
+    ckpt['args'].update(workers=7, decode='gpu', max_micro_batch=4096)
+    torch.save(ckpt, tmp_path / 'run' / 'last.pt')
+    main(['--resume', tmp_path / 'run' / 'last.pt', '--sam', '--epochs', 3, '--workers', 0])
+    out = capsys.readouterr().out
+    assert 'at epoch 3, step 20 (0 of 10 in this epoch); changed: --sam False -> True, --epochs 2 -> 3\n' in out
+    line = next(line for line in out.splitlines() if line.startswith('machine flags from this command line, not '))
+    for took in ('--workers 0 (the run: 7)', '--decode cpu (the run: gpu)', '--max-micro-batch 256 (the run: 4096)'):
+        assert took in line, line
     args = load(tmp_path / 'run' / 'last.pt')['args']
-    assert args['sam'] is True and args['workers'] == 0 and rows(tmp_path / 'run')[-1]['epoch'] == 3
+    assert (args['workers'], args['decode'], args['max_micro_batch']) == (0, 'cpu', 256)
+    assert args['sam'] is True and rows(tmp_path / 'run')[-1]['epoch'] == 3
 
 
 # -----------------------------------------------------------------------------------------------
@@ -903,7 +920,7 @@ def test_a_resumed_rho_wd_opt_eps_reach_the_optimizer(tiny_imagenet, tmp_path):
         final = {}
         for name, flags in {'plain': [], 'rho_wd': ['--rho', 0.5, '--wd', 0.9], 'eps': ['--opt-eps', 0.5]}.items():
             shutil.copytree(first, tmp_path / name)
-            main(['--resume', tmp_path / name / 'last.pt', '--epochs', 2, *flags])
+            main(['--resume', tmp_path / name / 'last.pt', '--epochs', 2, '--workers', 0, *flags])  # (machine)
             final[name] = load(tmp_path / name / 'last.pt')
     for name, ckpt in final.items():
         args, (decay, no_decay) = ckpt['args'], ckpt['optimizer']['param_groups']
