@@ -125,11 +125,12 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
     <= tol |theta_i| (then |theta_i - lambda| <= tol |theta_i| for some eigenvalue lambda), or at an invariant
     subspace (beta ~ 0: the Ritz values are eigenvalues), or after `steps` products.
     which: 'LA' the k largest algebraic (the top of the spectrum: the paper's lambda_max), 'LM' the k largest in
-    magnitude (what power iteration converges to). Memory: the basis, (steps + 1) x P of basis_dtype allocated at
-    the start (float32 for an fp32 model halves it: its products are only fp32-accurate anyway).
+    magnitude (what power iteration converges to). Memory: the basis, (products + 1) x P of basis_dtype, grown by
+    doubling (float32 for an fp32 model halves it: its products are only fp32-accurate anyway).
     -> dict(eigenvalues (k, 'LA' descending / 'LM' by descending magnitude), residuals, products, history:
     the wanted first eigenvalue after each product, alpha, beta: T's diagonals)."""
-    V = torch.empty(min(steps, len(v)) + 1, len(v), dtype=basis_dtype, device=v.device)  # the basis, a row each
+    rows = min(steps, len(v)) + 1  # the most basis vectors a run can need; allocated as it goes, doubling
+    V = torch.empty(min(rows, 33), len(v), dtype=basis_dtype, device=v.device)  # the basis, a row each
     V[0], alpha, beta, history, start = v / v.norm(), [], [], [], time.time()
     for j in range(steps):
         vj = V[j].double()
@@ -156,6 +157,8 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
                      f'{res[0].item() / max(abs(history[-1]), 1e-30):.1e} | {time.time() - start:.0f} s')
         if done or invariant:
             break
+        if j + 1 == len(V):  # (a run that converges early never holds the basis of --iters steps)
+            V = torch.cat([V, V.new_empty(min(len(V), rows - len(V)), len(v))])
         V[j + 1] = w / beta[-1]
     return dict(eigenvalues=theta[order].tolist(), residuals=res.tolist(), products=len(alpha), history=history,
                 alpha=alpha, beta=beta[:-1])
