@@ -1,5 +1,6 @@
 """Shared fixtures. The real-data fixture extracts the shared CIFAR-10 JPEG copy once per session."""
 import os
+import signal
 import sys
 import tarfile
 from collections import defaultdict
@@ -15,6 +16,12 @@ sys.path.insert(0, str(REPO))  # the experiment files live flat at the top level
 # subprocesses (which would otherwise put rank 1 on cuda:1 and autocast in bf16). Set before any test touches
 # CUDA (torch initialises it lazily). A test written for CUDA would run in a subprocess with its own environment.
 os.environ['CUDA_VISIBLE_DEVICES'] = ''
+
+# The Ctrl-C tests send SIGINT to a run: a pytest started as a background job (`cmd &` in a shell without job
+# control) inherits SIGINT ignored, and so would every run it starts (an ignored signal survives exec). Give this
+# process Python's own handler: the children then start with the default action, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # ../shared/data beside the checkout (CI lays a copy of shared/ beside its clone too).
 CIFAR_TARBALL = Path(os.environ.get('CIFAR10_TARBALL',

@@ -462,11 +462,15 @@ def test_torchrun_splits_the_images_and_equals_one_process(cifar10_dir, tmp_path
     so 1e-5, while one image of 24 missed or counted twice moves every figure by percents, and n counts each image
     once. (With batches cut elsewhere float32 rounding alone moves lambda_max by ~1e-6.)"""
     common = [command, '--data', str(cifar10_dir), '--images', '24', '--batch-size', '4', *SHARD_FLAGS[command]]
-    G.main([*common, '--out', str(tmp_path / 'one')])
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': ''}
-    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc), '--master_port',
-                        str(free_port()), 'geometry.py', *common, '--out', str(tmp_path / 'many')], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc),
+                          '--master_port', str(free_port()), 'geometry.py', *common, '--out', str(tmp_path / 'many')],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        G.main([*common, '--out', str(tmp_path / 'one')])  # on this process's one thread, beside torchrun's start-up
+    finally:
+        out, err = p.communicate(timeout=300)
+    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count(f'geometry.py {command}') == 1  # rank 0 alone prints
     one, many = (json.loads((tmp_path / d / f'{command}.json').read_text()) for d in ('one', 'many'))

@@ -218,10 +218,28 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_ddp_m_sharpness_matches_single_process(tmp_path):
+def _both_ddp_workers(rank, world, ports, out):
+    """This file's two 2-rank gloo runs, one after the other in the same spawned processes: each spawned child
+    imports torch and this module (~3 s), once for both runs."""
+    _ddp_worker(rank, world, ports[0], os.path.join(out, 'sam'))
+    _ddp_groups_worker(rank, world, ports[1], os.path.join(out, 'groups'))
+
+
+@pytest.fixture(scope='module')
+def ddp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp('ddp')
+    (out / 'sam').mkdir()
+    (out / 'groups').mkdir()
+    ports = [_free_port()]
+    while len(ports) < 2:
+        ports += [p for p in [_free_port()] if p != ports[0]]
+    mp.spawn(_both_ddp_workers, args=(2, ports, str(out)), nprocs=2, join=True)
+    return out
+
+
+def test_ddp_m_sharpness_matches_single_process(ddp_runs):
     world = 2
-    mp.spawn(_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    res = [torch.load(tmp_path / f'rank{r}.pt') for r in range(world)]
+    res = [torch.load(ddp_runs / 'sam' / f'rank{r}.pt') for r in range(world)]
 
     # Oracle: one process, plain autograd. Each sub-batch perturbs with its own gradient
     # (no all-reduce); the second-pass gradients of the sub-batches are averaged.
@@ -697,12 +715,11 @@ def _ddp_groups_worker(rank, world, port, out):
         dist.destroy_process_group()
 
 
-def test_m_sharpness_one_process_equals_ddp_ranks(tmp_path):
+def test_m_sharpness_one_process_equals_ddp_ranks(ddp_runs):
     """One process with k groups of m images == k/g DDP ranks each with g groups of m (g = 1: the
     plain loop), with and without BatchNorm, fp32 and fp64; one all-reduce per step."""
     world = 2
-    mp.spawn(_ddp_groups_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    res = [torch.load(tmp_path / f'rank{r}.pt') for r in range(world)]
+    res = [torch.load(ddp_runs / 'groups' / f'rank{r}.pt') for r in range(world)]
     for i, (name, dtype, g) in enumerate(M_CONFIGS):
         single = _m_single_process(name, dtype, world * g)
         # fp64 is the exact check (rounding ~1e-16). fp32 only shows the fp32 path runs the same algorithm: the
