@@ -20,7 +20,6 @@ import hashlib
 import importlib.metadata
 import io
 import itertools
-import json
 import math
 import os
 import pkgutil

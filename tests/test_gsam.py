@@ -3,7 +3,6 @@ big_vision/trainers/proj/gsam/gsam.py, written out here from that file with torc
 plain SAM (alpha = 0, rho_min = rho: bit for bit), the base optimizer (rho = 0: bit for bit), a single process with k
 groups (k gloo ranks), GradScaler overflows, a resume, and through train_cifar.py's flags."""
 import contextlib
-import copy
 import io
 import json
 import math
