@@ -262,6 +262,25 @@ def test_filter_normalised_directions():
                 assert d.any() or not p.any(), name
 
 
+
+def test_noise_on_device_draws_with_that_devices_generator(monkeypatch):
+    """--noise-on-device (issue 37): the landscape's directions and flatness' eps come from a generator on the
+    given device (proc.device; a CUDA generator on a GPU), the default from the CPU's. No GPU here: a spy records
+    the device each generator is made for and hands back a CPU one, so the draws still run."""
+    made, Generator = [], torch.Generator
+
+    def spy(device='cpu'):
+        made.append(str(device))
+        return Generator()
+    model, batches = tiny_convmixer(), some_batches()
+    monkeypatch.setattr(torch, 'Generator', spy)
+    _, default = G.loss_landscape(model, F.cross_entropy, batches, dims=1, steps=3, seed=1)
+    flat = G.average_flatness(model, F.cross_entropy, batches, 0.01, 2, seed=1)
+    assert made == ['cpu', 'cpu']
+    _, on_device = G.loss_landscape(model, F.cross_entropy, batches, dims=1, steps=3, seed=1, noise_device='cuda')
+    assert G.average_flatness(model, F.cross_entropy, batches, 0.01, 2, seed=1, noise_device='cuda') == flat
+    assert made[2:] == ['cuda', 'cuda'] and torch.equal(on_device, default)  # (a CPU generator under the spy)
+
 # ----------------------------------------------------------------------------- flatness
 def test_average_flatness_zero_sigma_and_quadratic():
     n, sigma, samples = 20, 0.1, 400
