@@ -104,8 +104,9 @@ def test_inductor_trains_as_eager(cifar10_dir, tmp_path, monkeypatch):
     torch._dynamo.reset()
     (eager_w, eager_eval), (comp_w, comp_eval) = runs['eager'], runs['inductor']
     assert comp_w.keys() == eager_w.keys() and comp_eval['kind'] == 'eval' and comp_eval['n'] == 20
-    for k, v in eager_w.items():  # fused, reordered fp32 sums: ~1e-7 relative a step, CPU-dependent; a wrong graph
-        # (a BatchNorm statistic not updated, a stale weight) differs by far more
-        torch.testing.assert_close(comp_w[k].double(), v.double(), rtol=1e-5, atol=1e-6, msg=k)
+    for k, v in eager_w.items():  # fused, reordered fp32 sums: measured 6e-8 at most here (AMD EPYC, AVX2), other
+        # CPUs vectorise otherwise: 1e-5 leaves ~170x; a wrong graph (a BatchNorm statistic not updated, a weight
+        # a step stale: AdamW moves each weight by ~lr, ~1e-2 at these steps of the one cycle) differs by far more
+        torch.testing.assert_close(comp_w[k].double(), v.double(), rtol=1e-5, atol=1e-5, msg=k)
     assert comp_eval['correct'] == eager_eval['correct']
     assert comp_eval['loss'] == pytest.approx(eager_eval['loss'], rel=1e-5)
