@@ -40,10 +40,11 @@ import loader
 import mixer
 import vit
 from data import MEAN, STD
+from flags import refuse_loose
 from models import channels_last
 from runs import save_atomic
 from sam import GSAM, SAM, first_pass, second_pass
-from utils import UserError, refuse_loose
+from utils import UserError
 
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
 # size on CPU, at full size on CUDA). --quick keeps the paper sizes but small batches, and runs

@@ -34,11 +34,12 @@ import mixer
 import vit
 from augment import normalize
 from data import MEAN, STD, balanced_subset, evaluate, load_cifar
+from flags import check_ranges, check_shared_ranges
 from hessian import hessian_eigenvalue, hessian_spectrum  # noqa: F401 (importable from here, as before)
 from models import build_model, imagenet_only, load_model, load_weights, parse_model_kw, run_dataset, zero_head
 from runs import prepare_out, read_checkpoint, read_json, save_atomic, stored_args
-from utils import (UserError, check_ranges, check_shared_ranges, first_set, fit, fmt_time, free_memory, init_group,
-                   leave, one_line, progress_printer, saved_bytes, setup)
+from utils import (UserError, first_set, fit, fmt_time, free_memory, init_group, leave, one_line, progress_printer,
+                   saved_bytes, setup)
 
 EVAL_NOTE = 'eval mode: BatchNorm uses its running statistics; dropout and drop-path are off'
 PRECISION = 'fp32, TF32 off'

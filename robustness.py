@@ -37,11 +37,11 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 import figures
 from augment import normalize
 from data import MEAN, MEANS, STD, Samples, eval_transform, folder_batches, folder_samples, load_cifar
+from flags import check_shared_ranges, refuse_loose
 from models import imagenet_only, load_model, zero_head
 from pgd import fgsm, pgd
 from runs import read_json, save_atomic, stored_args
-from utils import (EXTRAS, UserError, check_shared_ranges, epoch_seed, first_set, fmt_time, init_group, leave,
-                   one_line, refuse_loose, setup)
+from utils import EXTRAS, UserError, epoch_seed, first_set, fmt_time, init_group, leave, one_line, setup
 # The benchmark's constants (Hendrycks & Dietterich 2019, Sec. 3 and Fig. 1).
 GROUPS = {'noise': ['gaussian_noise', 'shot_noise', 'impulse_noise'],
           'blur': ['defocus_blur', 'glass_blur', 'motion_blur', 'zoom_blur'],

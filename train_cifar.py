@@ -26,12 +26,13 @@ import torch.nn as nn
 
 from augment import make_augment
 from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
+from flags import check_lr_not_all_zero, check_ranges, given
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw, zero_head
 from pgd import pgd
 from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
-from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
-                   given, init_group, leave, rank_zero_first, setup, since_checkpoint, sync_buffers, wrap_ddp)
+from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, rank_zero_first,
+                   setup, since_checkpoint, sync_buffers, wrap_ddp)
 
 # Defaults of the flags left unset. finetune: the ViT paper's CIFAR fine-tuning (Dosovitskiy et al. 2021, App. B.1.1;
 # vit_jax configs/common.py, train.py, input_pipeline.py): SGD momentum 0.9, batch 512, 10,000 steps (~100 epochs),
@@ -127,7 +128,7 @@ def get_args(argv=None):
     check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'img_size', 'adv_steps', 'scale'],
                  ['sam_m', 'train_subset', 'test_subset', 'log_every', 'randaug_n', 'randaug_m', 'seed', 'lr', 'wd',
                   'rho', 'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'],
-                 {}, stored_in=run if written_by(ckpt) else None)  # (the shared bounds: utils.SHARED_AT_MOST)
+                 {}, stored_in=run if written_by(ckpt) else None)  # (the shared bounds: flags.SHARED_AT_MOST)
     check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if getattr(args, k) is not None],
                  dict(rho_min=args.rho))  # (unset: plain SAM; rho_min <= rho: rho_t never exceeds --rho)
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):

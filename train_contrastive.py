@@ -48,14 +48,14 @@ from torchvision.transforms import v2
 import augment
 import vit
 from data import MEAN, NUM_CLASSES, STD, ImageFolder, load_cifar
+from flags import check_lr_not_all_zero, check_ranges, given
 from images import decoded_images
 from loader import node_workers
 from models import build_model, load_weights, parse_model_kw
 from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
-from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
-                   given, init_group, leave, one_line, rank_zero_first, setup, since_checkpoint, sync_buffers,
-                   wrap_ddp)
+from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, one_line,
+                   rank_zero_first, setup, since_checkpoint, sync_buffers, wrap_ddp)
 
 # BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

@@ -29,14 +29,14 @@ from torchvision.transforms import v2
 
 from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform
+from flags import check_lr_not_all_zero, check_ranges
 from loader import collate_bytes, node_workers, on_device, train_transform
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
 from runs import (MACHINE_FLAGS, discard_new_dirs, load_optimizer_state, machine_line, prepare_out, read_checkpoint,
                   save_atomic, written_by)
 from sam import GSAM, SAM, first_pass, second_pass
-from utils import (NO_STEP, UserError, check_finite, check_lr_not_all_zero, check_ranges, epoch_seed, eta, fmt_time,
-                   init_group, leave, micro_batch_cap, one_line, score, setup, since_checkpoint, sync_buffers,
-                   wrap_ddp)
+from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, micro_batch_cap,
+                   one_line, score, setup, since_checkpoint, sync_buffers, wrap_ddp)
 
 
 # -----------------------------------------------------------------------------

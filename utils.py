@@ -1,12 +1,9 @@
 """Run plumbing shared by every script: the one user-error mechanism, where this process runs (torchrun's
 environment, device, mixed precision), divergence, exact evaluation, progress, teardown (the run folder: runs.py).
 Nothing here is part of an algorithm: the scripts keep their training loops (and the SAM step) written out."""
-import argparse
 import contextlib
 import datetime
 import inspect
-import math
-import numbers
 import os
 import time
 from contextlib import nullcontext
@@ -38,28 +35,6 @@ def fmt_time(s):
 def epoch_seed(*key):
     """A 32-bit seed that depends on every item of key, e.g. (seed, epoch, rank) or (seed, corruption, image)."""
     return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1)[0])
-
-
-def given(parser, argv, *dests):
-    """Which of dests this command line sets (abbreviated too): argv parsed once more with each of them preset to a
-    marker that only a flag on the command line replaces (argparse fills only what a namespace lacks)."""
-    marker = object()
-    ns = parser.parse_args(argv, namespace=argparse.Namespace(**{d: marker for d in dests}))
-    return [f'--{d.replace("_", "-")}' for d in dests if getattr(ns, d) is not marker]
-
-
-def check_ranges(args, positive, non_negative, at_most, stored_in=None):
-    """Every flag named is a finite number, > 0 (positive) or >= 0, and at most at_most[flag] or SHARED_AT_MOST[flag]
-    where given. stored_in: the checkpoint whose stored args filled some flags (a non-number can only come from it)."""
-    at_most = {**SHARED_AT_MOST, **at_most}
-    for key in positive + non_negative:
-        v, most = getattr(args, key), at_most.get(key, math.inf)
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise UserError(f'--{key.replace("_", "-")} must be a number, got {v!r}' + (
-                f' (from the args stored in {stored_in}: a damaged or hand-edited file)' if stored_in else ''))
-        if not (math.isfinite(v) and (v > 0 if key in positive else v >= 0) and v <= most):
-            raise UserError(f'--{key.replace("_", "-")} must be a finite number {"> 0" if key in positive else ">= 0"}'
-                            + (f' and <= {most}' if key in at_most else '') + f', got {v}')
 
 
 # ----- Where this process runs: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; alone, it is rank 0 of 1.
@@ -202,50 +177,6 @@ def progress_printer(prefix, every=10.0):
 
 def eta(t_loop, done, left):  # time left at the pace since t_loop: `done` steps took that long, `left` remain
     return fmt_time((time.time() - t_loop) / max(done, 1) * left)
-
-
-def check_lr_not_all_zero(lrs, args, steps, start, schedule, change):
-    """Refuse a run whose every optimizer step has LR 0 under its schedule: it would train nothing, then say `done`
-    (bad-inputs-2 S01: --epochs 1 of one step, where locuslab's LR at the step's end is the cycle's final 0). lrs: the
-    LR of each step this run takes, from its first or resumed step, lazily (the first positive one ends the scan).
-    An explicit --lr 0 (args.lr) trains at LR 0 as asked: not refused. steps an epoch, start (> 0: resumed), the
-    schedule's name and the flags to change: for the message."""
-    n = 0
-    for n, lr in enumerate(lrs if args.lr > 0 else (), 1):
-        if lr > 0:
-            return
-    if n:
-        left = ' left' * bool(start)
-        what = f"the run's only step{left}" if n == 1 else f'all {n} steps{left} of the run'
-        raise UserError(f'--epochs {args.epochs} with {steps} step{"s" * (steps > 1)} an epoch: {schedule} gives '
-                        f'{what} LR 0 (it would train nothing): {change}')
-
-
-# ----- Rules several scripts share, one place each (issue 34): the range of a flag of the same name, and which
-# flags act only with another. The upper bounds of flags that mean the same in every script (check_ranges applies
-# them wherever the flag is checked): torch.manual_seed takes seeds below 2**64 (a sampler adds the epoch: 2**63
-# leaves room); probabilities and fractions are at most 1; RandAugment has 31 magnitude bins (0..30); an image side
-# above 1024 px is no experiment of this repo and would ask for gigabytes per batch (a CIFAR batch of 50 upsampled
-# to 2048 px is 2.5 GB).
-SHARED_AT_MOST = dict(seed=2 ** 63 - 1, img_size=1024, randaug_m=30, scale=1, crop_min=1, crop_pct=1, reprob=1,
-                      label_smoothing=1, moco_m=1)
-SHARED_POSITIVE = {'img_size', 'crop_pct'}  # (crop_pct: a fraction; img_size / crop_pct is resized)
-
-
-def check_shared_ranges(args, *keys):
-    """check_ranges for the flags in keys, those set (not None) only: > 0 for SHARED_POSITIVE, else >= 0, and at
-    most SHARED_AT_MOST. For scripts whose flags may be unset (taken from a checkpoint later)."""
-    keys = [k for k in keys if getattr(args, k, None) is not None]
-    check_ranges(args, [k for k in keys if k in SHARED_POSITIVE], [k for k in keys if k not in SHARED_POSITIVE], {})
-
-
-def refuse_loose(parser, argv, rules):
-    """rules: [(on, what, dests)]: when `on` is false, a dest the command line sets acts on nothing: one line
-    naming them and `what` (e.g. '--attack'), as train_cifar.py refuses --rho without --sam."""
-    for on, what, dests in rules:
-        if not on and (loose := given(parser, argv, *dests)):
-            raise UserError(f'{", ".join(loose)} only act{"s" * (len(loose) == 1)} with {what}: add it, or leave '
-                            f'{"them" if len(loose) > 1 else "it"} out')
 
 
 def first_set(*values):  # the first value that is not None: a flag given as 0 is 0, not "unset" (0 == False)

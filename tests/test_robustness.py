@@ -721,7 +721,7 @@ CORRUPT = ['--benchmark', 'corrupt', '--subset', 10, '--corruptions', 'gaussian_
 ])
 def test_issue34_bad_inputs_are_one_true_line(case, argv, line, trained, cifar10_dir, tmp_path):
     """Flags that act on nothing without another (as train_cifar.py refuses --rho without --sam), the ranges the
-    training scripts check (utils.SHARED_RANGES: --crop-pct 87.5 used to blame a good JPEG), and a bare state_dict
+    training scripts check (flags.SHARED_AT_MOST: --crop-pct 87.5 used to blame a good JPEG), and a bare state_dict
     that names no data set (it was attacked as an ImageNet model): one line, status 1, no --out, nothing touched."""
     model, _, _, ckpt = trained
     torch.save(model.state_dict(), tmp_path / 'sd.pt')
