@@ -1,0 +1,189 @@
+"""Momentum-SAM (msam.py) against fp64 transcriptions of Becker et al. 2024's Algorithm 1 written here (with torch's
+SGD-momentum and AdamW updates written out), against the base optimizer (rho = 0: bit for bit), the passes counted,
+GradScaler overflows and loss scales, a resume, bad settings, and through train_cifar.py's and train_imagenet.py's
+flags. (MSAM under DDP, 2 gloo ranks against one process, runs in test_looksam.py's spawn: one torch start-up.)"""
+import io
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from msam import MSAM
+from test_looksam import F64, _data, _flat_grad, _mlp, _params, _same
+
+pytestmark = pytest.mark.usefixtures('one_thread')  # tiny ops: a second thread only contends
+
+
+def _msam_step(model, opt, micro, scaler=None, clip=None, plant=False):
+    """msam.py's docstring loop over micro-batches [(x, y), ...]; plant: an inf in the gradient."""
+    scaler = scaler or torch.amp.GradScaler('cpu', enabled=False)
+    opt.perturb()
+    for x, y in micro:
+        scaler.scale(F.cross_entropy(model(x), y) / len(micro)).backward()
+    if plant:
+        next(model.parameters()).grad.view(-1)[0] = float('inf')
+    scaler.unscale_(opt)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+
+
+# -----------------------------------------------------------------------------
+# The oracle: Algorithm 1 as the paper writes it (the shift carried over and undone arithmetically), flat fp64
+def _oracle(base, rho, steps, lr, mu=0.9, betas=(0.9, 0.999), eps=1e-8, wd=0.0):
+    model = _mlp(0, dtype=F64)
+    w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    m = torch.zeros_like(w)  # v_0 = 0 (SGD); Adam's first moment m_0 = 0
+    s = torch.zeros_like(w)  # Adam's second moment
+    w_tilde = w.clone()      # w_tilde_0 = w_0 - rho 0/||0||: no shift
+    for t in range(steps):
+        x, y = _data(200 + t, 8, F64)
+        g = _flat_grad(model, w_tilde, x, y)                    # perturbed forward + backward pass
+        w = w_tilde + (rho * m / m.norm() if m.norm() > 0 else 0)  # remove last perturbation
+        if base == 'sgd':
+            m = mu * m + g                                      # update momentum vector (torch: buf = g first)
+            w = w - lr * m                                      # SGD step
+        else:  # AdamW, torch's: decay first, then the bias-corrected Adam step
+            m, s = betas[0] * m + (1 - betas[0]) * g, betas[1] * s + (1 - betas[1]) * g * g
+            w = w * (1 - lr * wd)
+            w = w - lr / (1 - betas[0] ** (t + 1)) * m / ((s / (1 - betas[1] ** (t + 1))).sqrt() + eps)
+        w_tilde = w - rho * m / m.norm()                        # perturb for next iteration
+    return w
+
+
+@pytest.mark.parametrize('base,kw', [('sgd', dict(lr=0.1, momentum=0.9)),
+                                     ('adamw', dict(lr=1e-2, weight_decay=0.1))])
+def test_matches_algorithm_1_in_fp64(base, kw):
+    """12 steps, rho 0.5: the optimizer equals the transcription (1e-12) and an off-by-one rho tells (1e-6)."""
+    model = _mlp(0, dtype=F64)
+    opt = MSAM(model.parameters(), torch.optim.SGD if base == 'sgd' else torch.optim.AdamW, rho=0.5, **kw)
+    for t in range(12):
+        _msam_step(model, opt, [_data(200 + t, 8, F64)])
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    oracle_kw = dict(lr=kw['lr'], wd=kw.get('weight_decay', 0.0))
+    torch.testing.assert_close(got, _oracle(base, 0.5, 12, **oracle_kw), rtol=0, atol=1e-12)
+    assert not torch.allclose(got, _oracle(base, 0.45, 12, **oracle_kw), rtol=0, atol=1e-6)
+    assert not torch.allclose(got, _oracle(base, -0.5, 12, **oracle_kw), rtol=0, atol=1e-6)  # (the sign tells)
+
+
+@pytest.mark.parametrize('base,kw', [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+                                     (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05))], ids=['sgd', 'adamw'])
+def test_rho_zero_is_the_base_optimizer_bit_for_bit(base, kw):
+    """rho = 0 (what the scripts set during the warm-up): the base optimizer's run, BatchNorm buffers included."""
+    runs = []
+    for msam in (False, True):
+        model = _mlp(0, bn=True)
+        opt = MSAM(model.parameters(), base, rho=0.0, **kw) if msam else base(model.parameters(), **kw)
+        for t in range(5):
+            x, y = _data(t, 8)
+            if msam:
+                _msam_step(model, opt, [(x[:4], y[:4]), (x[4:], y[4:])])
+            else:
+                for xb, yb in ((x[:4], y[:4]), (x[4:], y[4:])):
+                    (F.cross_entropy(model(xb), yb) / 2).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        runs.append(_params(model) + [b.clone() for b in model.buffers()])
+    assert _same(*runs)
+
+
+def test_one_forward_pass_per_step_and_the_model_holds_w_between_steps():
+    """T steps make T passes (closure form too); after a step the model holds w (no shift left in it): w_tilde is
+    made from it exactly by the next perturb() and undone exactly by step()."""
+    model = _mlp(0)
+    passes = []
+    model.register_forward_pre_hook(lambda *_: passes.append(1))
+    opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
+    for t in range(6):
+        x, y = _data(t, 8)
+        if t % 2:
+            _msam_step(model, opt, [(x, y)])
+        else:
+            opt.step(lambda: (opt.zero_grad(), F.cross_entropy(model(x), y).backward()))
+    assert len(passes) == 6
+    w = _params(model)
+    opt.perturb()
+    m = [opt.state[p]['momentum_buffer'] for p in model.parameters()]
+    norm = math.sqrt(sum(x.square().sum().item() for x in m))
+    for p, w0, mi in zip(model.parameters(), w, m):
+        torch.testing.assert_close(p.detach(), w0 - 0.5 * mi / norm)
+    with torch.no_grad():
+        opt.restore()
+    assert _same(_params(model), w)
+
+
+# -----------------------------------------------------------------------------
+# GradScaler, resume, host syncs, misuse, bad settings
+def test_overflow_skips_with_w_and_momentum_exact():
+    model = _mlp(0)
+    opt = MSAM(model.parameters(), torch.optim.AdamW, rho=0.5, lr=1e-2)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+    for t in range(3):
+        _msam_step(model, opt, [_data(t, 8)], scaler)
+    w0, m0 = _params(model), [opt.state[p]['exp_avg'].clone() for p in model.parameters()]
+    _msam_step(model, opt, [_data(3, 8)], scaler, plant=True)
+    assert _same(_params(model), w0) and _same([opt.state[p]['exp_avg'] for p in model.parameters()], m0)
+    assert scaler.get_scale() == 2.0 ** 7
+    _msam_step(model, opt, [_data(4, 8)], scaler)
+    assert not _same(_params(model), w0)
+
+
+def test_loss_scale_cancels_and_resume_mid_run_is_bit_identical():
+    """A power-of-two loss scale: the weights of the unscaled run, bit for bit (m is unscaled). 6 steps == 3 steps,
+    state_dict + model through torch.save, a new optimizer, 3 steps (the shift comes back from m)."""
+    def run(scale=None, cut=None):
+        model = _mlp(0, bn=True)
+        opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler('cpu', init_scale=scale) if scale else None
+        for t in range(6):
+            if t == cut:
+                buf = io.BytesIO()
+                torch.save({'model': model.state_dict(), 'opt': opt.state_dict()}, buf)
+                buf.seek(0)
+                saved = torch.load(buf, weights_only=True)
+                model = _mlp(1, bn=True)
+                model.load_state_dict(saved['model'])
+                opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
+                opt.load_state_dict(saved['opt'])
+            _msam_step(model, opt, [_data(t, 8)], scaler)
+        return _params(model)
+    whole = run()
+    assert _same(whole, run(scale=2.0 ** 10)) and _same(whole, run(cut=3))
+
+
+def test_no_host_sync_in_the_step():
+    from test_sam import _count_host_syncs
+    model = _mlp(0, bn=True)
+    opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
+    for t in range(3):
+        with _count_host_syncs() as calls:
+            _msam_step(model, opt, [_data(t, 8)])
+        assert calls == [], t
+
+
+def test_misuse_fails_loudly():
+    model = _mlp(0)
+    opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
+    F.cross_entropy(model(_data(0, 8)[0]), _data(0, 8)[1]).backward()
+    with pytest.raises(RuntimeError, match='began with perturb'):
+        opt.step()
+    with pytest.raises(RuntimeError, match='no gradient ascent'):
+        opt.first_step()
+    opt.perturb()
+    with pytest.raises(RuntimeError, match='called twice'):
+        opt.perturb()
+
+
+@pytest.mark.parametrize('base,kw,error,message', [
+    (torch.optim.SGD, dict(lr=0.1), ValueError, 'MSAM needs momentum: SGD with momentum (or beta1) > 0, got 0'),
+    (torch.optim.Adam, dict(betas=(0.0, 0.9)), ValueError, 'got 0.0'),
+    (torch.optim.RMSprop, dict(momentum=0.9), TypeError, 'torch.optim.SGD (momentum > 0), Adam or AdamW, not RMSprop'),
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, rho=-1.0), ValueError, 'rho must be a finite number >= 0, got -1.0'),
+])
+def test_bad_settings_are_refused(base, kw, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        MSAM(_mlp(0).parameters(), base, **kw)
