@@ -1,29 +1,27 @@
 """LookSAM: SAM's two passes only every k-th step; in between one pass plus the cached part of the last SAM gradient
-that is orthogonal to its clean gradient. Liu, Mai, Chen, Hsieh & You 2022, "Towards Efficient and Scalable
-Sharpness-Aware Minimization" (CVPR 2022, arXiv 2203.02714), Algorithm 1, with g, g_s, g_v ONE vector over all
-parameters (as SAM's eps_hat, Foret et al. eq. 2), t counting the optimizer's steps from 0:
+orthogonal to its clean gradient. Liu, Mai, Chen, Hsieh & You 2022, "Towards Efficient and Scalable Sharpness-Aware
+Minimization" (CVPR 2022, arXiv 2203.02714), Algorithm 1, with g, g_s, g_v ONE vector over all parameters (as SAM's
+eps_hat, Foret et al. eq. 2) and t counting the optimizer's steps from 0:
 
-    t mod k == 0 (refresh, 2 passes)   g     = grad L(w)                           first pass        first_step()
-                                       g_s   = grad L(w + rho g/||g||)             second pass, as SAM
-                                       g_v   = g_s - (<g_s, g>/||g||^2) g          cached as g_v/||g_v||: orthogonal
-                                       g_hat = g_s                                 to g          look_gradient()
-    otherwise    (reuse, 1 pass)       g     = grad L(w)                           the step's only pass
-                                       g_hat = g + alpha (||g||/||g_v||) g_v       added term: norm alpha ||g||
-    w <- base_optimizer(w, g_hat)                                                                      step()
+    t mod k == 0 (refresh, 2 passes)   g     = grad L(w)                          first pass       first_step()
+                                       g_s   = grad L(w + rho g/||g||)            second pass, as SAM
+                                       g_v   = g_s - (<g_s, g>/||g||^2) g         orthogonal to g; cached as
+                                       g_hat = g_s                                g_v/||g_v||   look_gradient()
+    otherwise    (reuse, 1 pass)       g_hat = g + alpha (||g||/||g_v||) g_v      added term: norm alpha ||g||
+    w <- base_optimizer(w, g_hat)                                                                     step()
 
-k = 1 is SAM bit for bit (g_v would never be used: it is not computed); alpha = 0 is SAM every k-th step and the
-base optimizer between (MosaicML Composer's SAM `interval`); rho = 0 is the base optimizer bit for bit (g_s = g
-gives g_v = 0 exactly: both dot products by one kernel). per_tensor=True is the variant most ports implement
-(decomposition and ||g|| per parameter tensor): a different algorithm, offered by name only.
-Checked against (the paper's text could not be read here beyond its abstract): two independent transcriptions of
-Algorithm 1 that agree with the above, junaidaliop.github.io/zij/math/looksam (g_v = g_s - ||g_s|| cos(g, g_s)
-g/||g||) and the LookSAM the MSAM authors wrote for their comparison (github.com/MarlonBecker/MSAM,
-optimizer/looksam.py: global vectors, g_v normalised, + alpha ||g|| g_v/||g_v||; read, not copied: GPL-3.0).
-alpha defaults to 0.7, the paper's ViT value as both transcriptions and that code's config give it; the MSAM authors
-ran k 5, alpha 0.1 in their ImageNet table and found 0.1-0.3 better for their runs: for alpha, tune.
+k = 1 is SAM bit for bit (g_v, never used, is not computed); alpha = 0 is SAM every k-th step and the base optimizer
+between (MosaicML Composer's SAM `interval`); rho = 0 is the base optimizer bit for bit (g_s = g makes g_v = 0
+exactly). per_tensor=True is what most ports do (c and ||g||, ||g_v|| per parameter tensor): another algorithm,
+offered by name only. Checked against (the paper's own text could not be read here beyond its abstract): two
+independent transcriptions of Algorithm 1 that agree with the above, junaidaliop.github.io/zij/math/looksam (g_v =
+g_s - ||g_s|| cos(g, g_s) g/||g||) and the LookSAM the MSAM authors ran in their comparison (MarlonBecker/MSAM
+optimizer/looksam.py: global vectors, + alpha ||g|| g_v/||g_v||; read, not copied: GPL-3.0). alpha = 0.7 by default:
+the paper's ViT value as both transcriptions and that code's config give it (the MSAM authors ran k 5, alpha 0.1 in
+their ImageNet table and found 0.1-0.3 better there: tune it).
 
-The loop: sam.py's, where a reuse step is one pass over the groups as micro-batches, and one call after the
-last backward (before unscale_ and clipping, so that clipping clips g_hat):
+The loop is sam.py's, a reuse step one pass over the groups as micro-batches, and one call after the last backward
+(before unscale_ and clipping, so that clipping clips g_hat):
 
     two = optimizer.refresh                     # t mod k == 0: this step makes two passes
     for j, (x, y) in enumerate(groups):         # m-sharpness groups of m images (one group: the batch)
@@ -38,18 +36,16 @@ last backward (before unscale_ and clipping, so that clipping clips g_hat):
     optimizer.look_gradient(all_reduce=distributed)   # refresh: cache g_v; reuse: .grad <- g_hat
     scaler.unscale_(optimizer); clip; scaler.step(optimizer); scaler.update(); zero_grad
 
-DDP: a refresh is SAM's step (each replica its own eps_hat); DDP averages g_s; look_gradient(all_reduce=True)
-averages the clean g (the groups' sum) in one all-reduce of a flat buffer, so every replica decomposes the same g_s
-against the same g and caches the same g_v (without it, under DDP, the replicas' g_v and weights drift apart). A
-reuse step's g is DDP's average: its g_hat is the same on every replica. m-sharpness: g is the sum of the groups'
-clean gradients (its scale cancels in g_v). GradScaler: g and g_s carry one loss scale, which cancels in
-g_v/||g_v||, as clipping does; the reuse term scales with g, so unscale_ treats it as g. An overflow in any pass
-keeps the cached g_v (torch.where on the device) and the step is skipped with w exact (SAM.step); t counts step()
-calls, skipped or not (deciding on a skip would read found_inf once more). BatchNorm: running statistics from
-the clean passes (a reuse step's pass is clean). state_dict(): the base's, with t and g_v: a run resumes bit for
-bit anywhere in a cycle. No host sync (the where-guards stay on the device); an enabled GradScaler's one read of
-found_inf is SAM.step's. Cost over SAM on a refresh: one flat copy of g, a transient flat g_s, three dot products;
-the cached g_v (one flat copy of the parameters); on a reuse step one norm and one multi-tensor add.
+DDP: a refresh is SAM's step (each replica its own eps_hat) and DDP averages g_s; look_gradient(all_reduce=True)
+sums the clean g over the replicas in one all-reduce of a flat buffer (its scale cancels in g_v, as the sum over
+m-sharpness groups does), so every replica caches the same g_v (without it their g_v and weights drift apart). A
+reuse step's g is DDP's average: the same g_hat everywhere. GradScaler: the loss scale cancels in g_v/||g_v|| (as
+clipping does) and the reuse term scales with g; an overflow in any pass keeps the cached g_v (torch.where on the
+device) and SAM.step skips the step with w exact; t counts step() calls, skipped or not (a skip-dependent count
+would read found_inf once more). BatchNorm: statistics from the clean passes only. state_dict(): the base's, with t
+and g_v: a run resumes bit for bit anywhere in a cycle. No host sync; an enabled GradScaler's one read of found_inf
+is SAM.step's. Cost over SAM on a refresh: a flat copy of g, a transient one of g_s, three dot products; the cached
+g_v (one flat copy of the parameters); a reuse step: one norm and one multi-tensor add over the base step.
 """
 import math
 import numbers
@@ -57,6 +53,16 @@ import numbers
 import torch
 
 from sam import SAM
+
+
+def buckets(param_groups):
+    """(device, dtype) -> the params with a gradient: foreach kernels and flat buffers want one of each."""
+    out = {}
+    for group in param_groups:
+        for p in group['params']:
+            if p.grad is not None:
+                out.setdefault((p.device, p.dtype), []).append(p)
+    return out
 
 
 class LookSAM(SAM):
@@ -88,16 +94,10 @@ class LookSAM(SAM):
             raise RuntimeError('LookSAM: this step reuses g_v (one pass): call first_step() only when '
                                'optimizer.refresh is True')
         if self.k > 1 and self.moved is None:  # (a second call: SAM's first_step raises)
-            buckets = {}
-            for group in self.param_groups:
-                for p in group['params']:
-                    if p.grad is not None:
-                        buckets.setdefault((p.device, p.dtype), []).append(p)
-            if self.g_sum is None:
-                self.g_sum = {key: (ps, torch.cat([p.grad.reshape(-1) for p in ps])) for key, ps in buckets.items()}
-            else:
-                for key, ps in buckets.items():
-                    self.g_sum[key][1].add_(torch.cat([p.grad.reshape(-1) for p in ps]))
+            self.g_sum = {} if self.g_sum is None else self.g_sum
+            for key, ps in buckets(self.param_groups).items():
+                flat = torch.cat([p.grad.reshape(-1) for p in ps])
+                self.g_sum[key] = (ps, self.g_sum[key][1].add_(flat) if key in self.g_sum else flat)
         super().first_step(zero_grad)
 
     @torch.no_grad()
@@ -117,15 +117,15 @@ class LookSAM(SAM):
 
     def decompose(self, all_reduce):
         """g_v = g_s - (<g_s, g>/||g||^2) g, cached as g_v/||g_v|| (0 where g_v = 0); an overflow keeps the old."""
-        buckets = list(self.g_sum.values())
-        g = [flat for _, flat in buckets]
-        v = [torch.cat([p.grad.reshape(-1) for p in ps]) for ps, _ in buckets]  # g_s; g_v in place below
+        parts = list(self.g_sum.values())
+        g = [flat for _, flat in parts]
+        v = [torch.cat([p.grad.reshape(-1) for p in ps]) for ps, _ in parts]  # g_s; g_v in place below
         if all_reduce:
             for x in g:
                 torch.distributed.all_reduce(x)  # (the sum: its scale cancels in g_v)
         dev = g[0].device
         if self.per_tensor:  # one segment (c, ||g_v||) per tensor
-            cut = lambda xs: [s for x, (ps, _) in zip(xs, buckets) for s in x.split([p.numel() for p in ps])]  # noqa
+            cut = lambda xs: [s for x, (ps, _) in zip(xs, parts) for s in x.split([p.numel() for p in ps])]  # noqa
             g_seg, v_seg = cut(g), cut(v)
             dots = lambda a, b: [torch.dot(x, y) for x, y in zip(a, b)]  # noqa: E731
         else:  # one segment per bucket, one global value for all of them
@@ -139,7 +139,7 @@ class LookSAM(SAM):
         for x in v:
             x.nan_to_num_(0.0, 0.0, 0.0)  # (an overflow: 0 * inf = nan; ok is False there)
         torch._foreach_mul_(v_seg, inv)
-        for (ps, _), x in zip(buckets, v):
+        for (ps, _), x in zip(parts, v):
             x.add_(torch.cat([self.g_v.get(p, torch.zeros_like(p)).reshape(-1) for p in ps]) * (~ok).to(x.dtype))
             self.g_v.update((p, u.view_as(p)) for p, u in zip(ps, x.split([p.numel() for p in ps])))
         self.g_sum = None
@@ -153,10 +153,7 @@ class LookSAM(SAM):
             torch._foreach_add_([p.grad for p in cached], torch._foreach_mul([self.g_v[p] for p in cached], scales))
             return
         norm = torch.nn.utils.get_total_norm(grads)  # ||g|| over all parameters
-        buckets = {}
-        for p in cached:
-            buckets.setdefault((p.device, p.dtype), []).append(p)
-        for (device, dtype), ps in buckets.items():  # (foreach kernels want one device and dtype per list)
+        for (device, dtype), ps in buckets([{'params': cached}]).items():
             scale = (self.alpha * norm).to(device, dtype)
             torch._foreach_add_([p.grad for p in ps], torch._foreach_mul([self.g_v[p] for p in ps], scale))
 
