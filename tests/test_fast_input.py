@@ -215,8 +215,8 @@ def test_decode_gpu_on_the_cpu_device_matches_the_pil_path(jpeg_folder, recipe, 
     decode to the same pixels; the crop box and the flip are the same draws; the resize is torch's antialiased
     interpolate on uint8 instead of PIL's fixed-point one: +-1 on some pixels, +-2 on a rare one ('sam'; measured
     2026-12-07 on 200 seeds of 4 such images, pillow 13.0: max 1 on 197, 2 on one value of 27,648 on 3).
-    RandAugment's ops on a tensor are torchvision's tensor kernels, not PIL's (rotation and shear resample differently, and the fill):
-    the 'convmixer' recipe differs more on the images that drew them (measured: ~4% of the values by more than 1)."""
+    RandAugment's ops on a tensor are torchvision's tensor kernels, not PIL's (rotation and shear resample
+    differently, and the fill): the 'convmixer' recipe differs more on the images that drew them (measured: ~4% of the values by more than 1)."""
     import data
     import loader
     ti, args = imagenet_args(jpeg_folder, recipe)
