@@ -15,6 +15,7 @@ from utils import UserError
 SHARED_AT_MOST = dict(seed=2 ** 63 - 1, img_size=1024, randaug_m=30, scale=1, crop_min=1, crop_pct=1, reprob=1,
                       label_smoothing=1, moco_m=1)
 SHARED_POSITIVE = {'img_size', 'crop_pct'}  # (crop_pct: a fraction; img_size / crop_pct is resized)
+MSAM_RHO = 3.0  # --msam's --rho default: Becker et al.'s, for SGD and AdamW alike (msam.py)
 
 
 def given(parser, argv, *dests):
@@ -70,3 +71,19 @@ def check_lr_not_all_zero(lrs, args, steps, start, schedule, change):
         what = f"the run's only step{left}" if n == 1 else f'all {n} steps{left} of the run'
         raise UserError(f'--epochs {args.epochs} with {steps} step{"s" * (steps > 1)} an epoch: {schedule} gives '
                         f'{what} LR 0 (it would train nothing): {change}')
+
+
+def check_sam_family(args, loose, resumed):
+    """--sam's flags (sam.py, gsam.py, looksam.py; loose: those this command line gave) act with --sam only, --rho
+    with --msam too (msam.py: one pass, no --sam), and LookSAM's reuse (--look-k > 1) does not combine with GSAM.
+    --msam without --rho: MSAM_RHO (resumed: the run's own)."""
+    if args.sam and args.msam:
+        raise UserError('--msam replaces --sam (one pass, perturbed along the momentum): pass one of them')
+    if alone := [f for f in loose if not (args.sam or args.msam and f == '--rho')]:
+        raise UserError(f'{", ".join(alone)} only act with --sam: ' + ('--msam takes --rho only' if args.msam else
+                                                                       'add --sam, or leave them out'))
+    if args.look_k > 1 and (args.gsam_alpha is not None or args.rho_min is not None):
+        raise UserError('--look-k above 1 (LookSAM: reuses part of the SAM gradient) and GSAM (--gsam-alpha, '
+                        '--rho-min: decomposes it anew every step) do not combine: choose one')
+    if args.msam and '--rho' not in loose and not resumed:
+        args.rho = MSAM_RHO

@@ -143,6 +143,31 @@ def restore(ckpt, opt, scaler, args, not_inherited, log):
     return ckpt['epoch'], ckpt['step'], ckpt['history']
 
 
+def resume_at_step(args, model, optimizer, scaler, steps, run_keys, defaults, log):
+    """--resume, step-based (train_imagenet.py): weights, optimizer, GradScaler, step, history (the loop re-seeds the
+    RNGs); logs the flags of run_keys that changed (a key the run predates: its default). -> (step, history)"""
+    ckpt = read_checkpoint(args.resume, '--resume')
+    old = ckpt['args']
+    if ckpt['steps_per_epoch'] != steps or old['batch_size'] != args.batch_size:
+        raise UserError(f'--resume {args.resume}: that run has --batch-size {old["batch_size"]} and '
+                        f'{ckpt["steps_per_epoch"]} steps per epoch, this one {args.batch_size} and {steps}; a '
+                        'resumed run keeps its global batch and training set')
+    try:
+        model.load_state_dict(ckpt['model'])
+        load_optimizer_state(optimizer, ckpt['optimizer'])  # this command line's rho, wd, eps, ...
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UserError(f'--resume {args.resume} does not fit this run: {one_line(e)}') from None
+    if ckpt['scaler']:  # {} when the run had no enabled GradScaler (not fp16)
+        scaler.load_state_dict(ckpt['scaler'])
+    step = ckpt['step']
+    changed = [f'--{k.replace("_", "-")} {old.get(k, defaults.get(k))} -> {getattr(args, k)}' for k in run_keys
+               if old.get(k, defaults.get(k)) != getattr(args, k)]  # only flags given on this command line can differ
+    log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
+        f'epoch); changed: {", ".join(changed) or "nothing"}')
+    machine_line(args, old, log)
+    return step, ckpt['history']
+
+
 def read_json(path, advice):
     """A JSON file a script or run of ours wrote (args.json, results.json, a cache's meta.json), or one line naming it
     damaged (cut short, hand-edited, not text) and saying what to do."""

@@ -26,8 +26,10 @@ import torch.nn as nn
 
 from augment import make_augment
 from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
-from flags import check_lr_not_all_zero, check_ranges, given
+from flags import MSAM_RHO, check_lr_not_all_zero, check_ranges, check_sam_family, given
+from looksam import LookSAM
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw, zero_head
+from msam import MSAM
 from pgd import pgd
 from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
@@ -71,7 +73,7 @@ def get_args(argv=None):
     g.add_argument('--label-smoothing', type=float, default=0.0)
     g.add_argument('--clip-grad', type=float, default=0.0, help='global grad-norm clip (SAM: of g_SAM); 0 = off')
     g.add_argument('--sam', action='store_true', help='Sharpness-Aware Minimization (Foret et al. 2021)')
-    g.add_argument('--rho', type=float, default=0.05, help='SAM neighbourhood radius')
+    g.add_argument('--rho', type=float, default=0.05, help=f'SAM radius (--msam: {MSAM_RHO}, as its paper)')
     g.add_argument('--adaptive', action='store_true', help='ASAM (Kwon et al. 2021): eps-hat scaled by |w|')
     g.add_argument('--sam-m', type=int, default=0, metavar='M', help='m-sharpness (Foret et al. Sec. 4.1): one eps-hat '
                    "per group of M images of a process's batch; 0: the whole of it, as the JAX code per device")
@@ -79,6 +81,11 @@ def get_args(argv=None):
                    'g_p - A g_perp; unset (and no --rho-min): plain SAM; 0 with --rho-min = --rho: SAM bit for bit')
     g.add_argument('--rho-min', type=float, metavar='R', help='GSAM: rho follows the LR schedule from R (at its end, '
                    'LR 0) to --rho (at its peak); unset: --rho, constant')
+    g.add_argument('--look-k', type=int, default=1, metavar='K', help="LookSAM (Liu et al. 2022, looksam.py): SAM's "
+                   'two passes every K-th step, one pass + the cached g_v between; 1: SAM')
+    g.add_argument('--look-alpha', type=float, default=0.7, metavar='A', help="LookSAM: the reused g_v's norm, A ||g||")
+    g.add_argument('--msam', action='store_true', help='Momentum-SAM (Becker et al. 2024, msam.py), instead of --sam: '
+                   'one pass at w - rho m/||m||, m the momentum; the loss logged is there; rho 0 while the LR warms up')
     g.add_argument('--adv', choices=['pgd'], help='train on PGD examples (Madry et al. 2018, pgd.py)')
     g.add_argument('--adv-eps', type=float, default=8.0, help='L-inf radius, in pixel levels /255')
     g.add_argument('--adv-alpha', type=float, default=2.0, help='PGD step size, in pixel levels /255')
@@ -125,9 +132,9 @@ def get_args(argv=None):
     elif args.resume:
         raise UserError(f'--resume {run} is not a train_cifar.py checkpoint (it lacks some of {RUN_KEYS})')
     args.out = args.out or (str(Path(args.resume).parent) if args.resume else 'runs/cifar')
-    check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'img_size', 'adv_steps', 'scale'],
+    check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'img_size', 'adv_steps', 'scale', 'look_k'],
                  ['sam_m', 'train_subset', 'test_subset', 'log_every', 'randaug_n', 'randaug_m', 'seed', 'lr', 'wd',
-                  'rho', 'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'],
+                  'rho', 'look_alpha', 'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'],
                  {}, stored_in=run if written_by(ckpt) else None)  # (the shared bounds: flags.SHARED_AT_MOST)
     check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if getattr(args, k) is not None],
                  dict(rho_min=args.rho))  # (unset: plain SAM; rho_min <= rho: rho_t never exceeds --rho)
@@ -137,10 +144,10 @@ def get_args(argv=None):
         raise UserError('--pretrained starts a new run from weights; --resume and --eval-only load their own')
     if args.resume and args.overwrite:
         raise UserError('--resume continues a run; --overwrite would start a new one in its folder')
-    for on, flags in (('sam', ('rho', 'adaptive', 'sam_m', 'gsam_alpha', 'rho_min')),
-                      ('adv', ('adv_eps', 'adv_alpha', 'adv_steps'))):
-        if not getattr(args, on) and (loose := given(p, argv, *flags)):
-            raise UserError(f'{", ".join(loose)} only act with --{on}: add --{on}, or leave them out')
+    check_sam_family(args, given(p, argv, 'rho', 'adaptive', 'sam_m', 'gsam_alpha', 'rho_min', 'look_k', 'look_alpha'),
+                     resumed=bool(args.resume))  # (and --msam's own --rho default)
+    if not args.adv and (loose := given(p, argv, 'adv_eps', 'adv_alpha', 'adv_steps')):
+        raise UserError(f'{", ".join(loose)} only act with --adv: add --adv, or leave them out')
     if args.classes and not (len(set(args.classes)) == len(args.classes) >= 2 and
                              all(0 <= c < NUM_CLASSES[args.dataset] for c in args.classes)):
         raise UserError(f'--classes needs 2 or more distinct labels of {args.dataset} (0..'
@@ -192,19 +199,23 @@ def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
     once; BatchNorm statistics come from the first passes. m = the whole batch (the default) is one group.
     GSAM (sam.GSAM): each group's (each replica's) g_p is decomposed against its own g, so the second passes run
     under no_sync too and gsam_gradient() averages the result over the replicas in one all-reduce (big_vision's
-    pmean after gsam_gradient)."""
+    pmean after gsam_gradient). LookSAM: the two passes on every --look-k-th step (opt.refresh), one pass over the
+    groups as micro-batches between; look_gradient() caches g_v or adds it (looksam.py). MSAM: one pass, at w - rho
+    m/||m|| (msam.py)."""
     groups = list(zip(x.split(m), y.split(m))) if args.sam else [(x, y)]
-    gsam = isinstance(opt, GSAM)
+    gsam, two = isinstance(opt, GSAM), args.sam and getattr(opt, 'refresh', True)  # two: SAM's passes this step
+    if args.msam:
+        opt.perturb()  # w <- w - rho m/||m||: the step's one pass is there
     losses, outs, losses_p = [], [], []
     for j, (xg, yg) in enumerate(groups):
-        with first_pass(model) if args.sam else nullcontext():
+        with first_pass(model) if two or j < len(groups) - 1 else nullcontext():  # (one pass: DDP syncs the last)
             with autocast:
                 out = fwd(xg)
                 loss = criterion(out, yg)
-            scaler.scale(loss).backward()
+            scaler.scale(loss if two else loss / len(groups)).backward()
         losses.append(loss.detach())
         outs.append(out.detach())
-        if args.sam:
+        if two:
             opt.first_step(zero_grad=True)  # w <- w + eps-hat_j; .grad <- the SAM gradient of the groups before
             with second_pass(model, sync=j == len(groups) - 1 and not gsam):  # DDP: one all-reduce, on the last
                 with autocast:                                                # backward (GSAM: in gsam_gradient)
@@ -215,14 +226,16 @@ def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
                 opt.next_group()  # w restored exactly; the SAM gradient so far set aside
     if gsam:
         opt.gsam_gradient(all_reduce=dist.is_initialized())  # g_p - alpha g_perp, mean over groups and replicas
+    if isinstance(opt, LookSAM):
+        opt.look_gradient(all_reduce=dist.is_initialized())  # refresh: g_v cached; else .grad += alpha ||g|| g_v-hat
     if args.clip_grad > 0:
         scaler.unscale_(opt)
         nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-    scaler.step(opt)  # SAM: w restored from its copy, then the base step with g_SAM
+    scaler.step(opt)  # SAM, MSAM: w restored from its copy, then the base step (with g_SAM)
     scaler.update()
     opt.zero_grad(set_to_none=True)
     loss = torch.stack(losses).mean()
-    return loss, torch.cat(outs), torch.stack(losses_p).sum() - loss if args.sam else None
+    return loss, torch.cat(outs), torch.stack(losses_p).sum() - loss if two else None
 
 
 def make_optimizer(args, model):
@@ -234,17 +247,23 @@ def make_optimizer(args, model):
         lr_range = dict(lr_max=args.lr, lr_min=lr_at(args.epochs, args.epochs, args.lr, args.recipe))  # peak, end
         return GSAM(model.parameters(), base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0,
                     adaptive=args.adaptive, **lr_range, **kw)
+    if args.msam:  # perturbed along the base's momentum: AdamW's first moment, SGD's buffer
+        return MSAM(model.parameters(), base, rho=args.rho, **kw)
+    if args.sam and args.look_k > 1:
+        return LookSAM(model.parameters(), base, rho=args.rho, k=args.look_k, alpha=args.look_alpha,
+                       adaptive=args.adaptive, **kw)
     return SAM(model.parameters(), base, rho=args.rho, adaptive=args.adaptive, **kw) if args.sam else \
         base(model.parameters(), **kw)
 
 
 def train_row(epoch, step, lr, sums, images, t_row, t_start, sam=False):
-    """A metrics.jsonl row of the steps since the last one: sums = (loss sum, correct, images, gap sum) on the device;
-    SAM/GSAM rows add the surrogate gap h = f_p - f (Zhuang et al. 2022, eq. 2), the mean over the steps."""
-    loss_sum, correct, count, gap_sum = sums.tolist()
+    """A metrics.jsonl row of the steps since the last one: sums = (loss sum, correct, images, gap sum, images of the
+    steps with two passes) on the device; SAM/GSAM/LookSAM rows add the surrogate gap h = f_p - f (Zhuang et al.
+    2022, eq. 2), the mean over the steps that made two passes (LookSAM: every --look-k-th; none: no key)."""
+    loss_sum, correct, count, gap_sum, gap_count = sums.tolist()
     return {'kind': 'train', 'epoch': epoch + 1, 'step': step, 'lr': lr, 'loss': loss_sum / count, 'acc': 100 * correct
-            / count, **({'surrogate_gap': gap_sum / count} if sam else {}), 'img_per_s': images / (time.time() - t_row),
-            'elapsed_s': time.time() - t_start}
+            / count, **({'surrogate_gap': gap_sum / gap_count} if sam and gap_count else {}),
+            'img_per_s': images / (time.time() - t_row), 'elapsed_s': time.time() - t_start}
 
 
 def eval_models(args, raw, n_test, rank, world):
@@ -307,6 +326,7 @@ def main(argv=None):
             f'{r["top1"]:.2f}% ({r["correct"]}/{r["n"]}) top-5 {r["top5"]:.2f}% | world {world}')
         return leave(proc.ddp)
     steps = len(train_y) // args.batch_size  # the last partial batch is dropped (module docstring)
+    warm = WARMUP * args.epochs * (args.recipe == 'finetune')  # epochs of LR warm-up (MSAM: rho 0 through them)
     augment = make_augment(**{k: getattr(args, k) for k in AUG_FLAGS}, mean=norm[0], std=norm[1], device=device)
     opt, scaler = make_optimizer(args, raw), torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # (bf16)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -323,6 +343,8 @@ def main(argv=None):
         f'x {steps} steps of {args.batch_size} ({world} x {batch})'
         f' | {type(getattr(opt, "base_optimizer", opt)).__name__} lr {args.lr} wd {args.wd}'
         f'{f" | SAM rho {args.rho} m {m}" * args.sam}'
+        + (f' | LookSAM k {args.look_k} alpha {args.look_alpha}' if isinstance(opt, LookSAM) else '')
+        + (f' | MSAM rho {args.rho} (0 for the {warm:g} warm-up epochs)' if args.msam else '') +
         f'{f" | GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho_min}" * isinstance(opt, GSAM)}'
         f'{f" | PGD-{args.adv_steps} eps {args.adv_eps:g}/255" * bool(args.adv)}'
         f' | aug {args.aug} | amp {proc.amp} | {device}')
@@ -336,12 +358,12 @@ def main(argv=None):
             augment.generator.manual_seed(epoch_seed(args.seed, epoch, rank))
             perm = torch.randperm(len(train_y), generator=torch.Generator().manual_seed(epoch_seed(args.seed, epoch)))
             perm, t_epoch, t_row, row_start = perm.to(device), time.time(), time.time(), 0
-            sums = torch.zeros(2, 4, dtype=torch.float64, device=device)  # (since the last row, epoch) x
-            model.train()                                                  # (loss sum, correct, images, gap sum)
+            sums = torch.zeros(2, 5, dtype=torch.float64, device=device)  # (since the last row, epoch) x (loss
+            model.train()                                      # sum, correct, images, gap sum, images with a gap)
             for i in range(steps):
                 lr = lr_at(epoch + (i + 1) / steps, args.epochs, args.lr, args.recipe)
-                for group in opt.param_groups:
-                    group['lr'] = lr
+                for group in opt.param_groups:  # MSAM: rho 0 through the LR warm-up (msam.py; locuslab's has none)
+                    group.update(lr=lr, **{'rho': args.rho * (epoch + (i + 1) / steps >= warm)} if args.msam else {})
                 idx = perm[i * args.batch_size + rank * batch:i * args.batch_size + (rank + 1) * batch]
                 x, y = resize(augment(train_x[idx]), args.img_size), train_y[idx]
                 if args.adv:  # PGD on [0, 1] pixels (normalised inside), made at w in eval mode: no BatchNorm update
@@ -357,7 +379,7 @@ def main(argv=None):
                 sums[:, :2] += torch.stack([loss * len(y), (out.argmax(1) == y).sum()])
                 sums[:, 2] += len(y)
                 if gap is not None:  # (per image, as the loss: the row divides by the images)
-                    sums[:, 3] += gap.double() * len(y)
+                    sums[:, 3:] += torch.stack([gap.double(), torch.ones_like(gap, dtype=torch.float64)]) * len(y)
                 if args.log_every and (i + 1) % args.log_every == 0 and i + 1 < steps:
                     if proc.master:  # (rank 0's images: no collective mid-epoch; reading first_bad is the host sync)
                         check_finite(first_bad, steps, saved)
@@ -377,7 +399,7 @@ def main(argv=None):
                                      args.sam))
             r = evaluate(scorer, *test)
             history.append({'kind': 'eval', 'epoch': epoch + 1, 'step': step, **r, 'elapsed_s': time.time() - t_start})
-            loss_sum, correct, count, _ = sums[1].tolist()
+            loss_sum, correct, count, *_ = sums[1].tolist()
             log(f'ep {epoch + 1}/{args.epochs} | train loss {loss_sum / count:.4f} acc {100 * correct / count:.2f}% | '
                 f'test loss {r["loss"]:.4f} acc {r["top1"]:.2f}% | {time.time() - t_epoch:.1f} s | '
                 f'eta {eta(t_loop, step - step0, (args.epochs - epoch - 1) * steps)}')

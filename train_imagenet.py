@@ -29,14 +29,15 @@ from torchvision.transforms import v2
 
 from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform
-from flags import check_lr_not_all_zero, check_ranges
+from flags import MSAM_RHO, check_lr_not_all_zero, check_ranges, check_sam_family
 from loader import collate_bytes, node_workers, on_device, train_transform
+from looksam import LookSAM
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
-from runs import (MACHINE_FLAGS, discard_new_dirs, load_optimizer_state, machine_line, prepare_out, read_checkpoint,
-                  save_atomic, written_by)
+from msam import MSAM
+from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, resume_at_step, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, micro_batch_cap,
-                   one_line, score, setup, since_checkpoint, sync_buffers, wrap_ddp)
+                   score, setup, since_checkpoint, sync_buffers, wrap_ddp)
 
 
 # -----------------------------------------------------------------------------
@@ -60,15 +61,16 @@ BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
 DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=0, sam=False,
                 rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=None,
-                synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None)  # the same in every recipe (None: SAM)
+                synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None,  # the same in every recipe (None: SAM)
+                look_k=1, look_alpha=0.7, msam=False)
 RUN_KEYS = [k for k in ['data', 'recipe', *DEFAULTS, *RECIPES['sam']] if k not in MACHINE_FLAGS]  # what --resume
 # takes from the run (runs.MACHINE_FLAGS: this command line's, or this node's defaults)
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
-POSITIVE = ['epochs', 'batch_size', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct', 'eval_batch_size']
+POSITIVE = ['epochs', 'batch_size', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct', 'eval_batch_size', 'look_k']
 NON_NEGATIVE = ['accum_steps', 'max_micro_batch', 'sam_m', 'workers', 'warmup_steps', 'wd', 'clip_grad', 'rho',
-                'label_smoothing', 'randaug_n', 'randaug_m', 'mixup', 'cutmix', 'reprob', 'log_every', 'save_every',
-                'max_steps', 'seed']  # (max_micro_batch 0: derived from the GPU, utils.micro_batch_cap)
+                'look_alpha', 'label_smoothing', 'randaug_n', 'randaug_m', 'mixup', 'cutmix', 'reprob', 'log_every',
+                'save_every', 'max_steps', 'seed']  # (max_micro_batch 0: derived from the GPU, utils.micro_batch_cap)
 
 
 def flag(p, name, help, **kw):  # p.add_argument, with the default (or each recipe's) appended to the help
@@ -126,6 +128,10 @@ def get_args(argv=None):
       "process's whole batch, as the JAX code per device (the paper: 4096 images on 64 TPU chips, m = 64)", type=int)
     a('--gsam-alpha', 'GSAM (Zhuang et al. 2022; sam.GSAM): step along g_p - A g_perp; unset: SAM', type=float)
     a('--rho-min', 'GSAM: rho goes with the LR from this (LR 0) to --rho (the peak LR); unset: --rho', type=float)
+    a('--look-k', "LookSAM (Liu et al. 2022; looksam.py): SAM's 2 passes every K-th step, 1 between; 1: SAM", type=int)
+    a('--look-alpha', "LookSAM: the reused g_v's norm, A x ||g||", type=float)
+    a('--msam', f'Momentum-SAM (Becker et al. 2024, msam.py), not --sam: one pass at w - rho m/||m||; --rho '
+      f'{MSAM_RHO} unless given; rho 0 for --warmup-steps', action=argparse.BooleanOptionalAction)
     a('--amp', 'autocast: auto = bf16 where the GPU has it, else off; fp16 adds a GradScaler',
       choices=['auto', 'bf16', 'fp16', 'off'])
     a('--seed', 'seed of the initial weights, data order and augmentation', type=int)
@@ -158,16 +164,15 @@ def get_args(argv=None):
                         '--eval-only')
     keys = RUN_KEYS if args.resume else EVAL_KEYS if args.eval_only else PRETRAINED_KEYS
     run = {k: v for k, v in (ckpt['args'] if author else {}).items() if k in keys}
-    loose = [f'--{k.replace("_", "-")}' for k in ('rho', 'adaptive', 'sam_m', 'gsam_alpha', 'rho_min')
-             if getattr(args, k) is not None]
+    loose = [f'--{k.replace("_", "-")}' for k in ('rho', 'adaptive', 'sam_m', 'gsam_alpha', 'rho_min', 'look_k',
+                                                  'look_alpha') if getattr(args, k) is not None]
     recipe = args.recipe or run.get('recipe') or 'sam'
     for key, value in {**DEFAULTS, **RECIPES[recipe], **run, 'recipe': recipe}.items():  # later ones win
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     args.workers = node_workers() if args.workers is None else args.workers  # (of this node: loader.node_workers)
     check_ranges(args, POSITIVE, NON_NEGATIVE, {}, stored_in=source if author else None)  # (bounds: utils)
     check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho})
-    if loose and not args.sam:
-        raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
+    check_sam_family(args, loose, resumed=bool(args.resume))  # (and --msam's own --rho default)
     if not (args.data or args.synthetic) or (args.synthetic and args.eval_only):  # (FakeData: made-up labels)
         raise UserError('--eval-only needs --data DIR: --synthetic has no validation set' if args.synthetic else
                         f'give --data DIR ({LAYOUT}), or --synthetic')
@@ -208,11 +213,15 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
     eps-hat, as the official JAX code), perturbs once, and the second pass accumulates g_SAM, which is clipped.
     sam_m below the process's batch: m-sharpness in groups of sam_m images (each dividing a micro-batch), each
     group its own eps-hat from its own first pass; the groups' g_SAM averaged, all-reduced once (sam.py).
-    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (sam.GSAM). window: a (2,)
-    tensor on the device, += (the loss, the surrogate gap f_p - f of SAM/GSAM), read only at the log row."""
-    gsam, loss_p = isinstance(optimizer, GSAM), 0.0
+    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (sam.GSAM). LookSAM: the
+    two passes on every --look-k-th step (optimizer.refresh), one pass over the groups between (looksam.py); MSAM: one
+    pass, at w - rho m/||m|| (msam.py). window: a (3,) tensor on the device, += (the loss, the surrogate gap f_p - f of
+    a step with two passes, 1 if it had them), read only at the log row."""
+    gsam, loss_p, two = isinstance(optimizer, GSAM), 0.0, sam and getattr(optimizer, 'refresh', True)
     groups = [(xg, yg) for x, y in micro for xg, yg in zip(x.split(sam_m), y.split(sam_m))] if sam and sam_m else []
-    if len(groups) > 1 and sam_m < sum(len(x) for x, _ in micro):
+    if isinstance(optimizer, MSAM):
+        optimizer.perturb()  # w <- w - rho m/||m||: the step's one pass is there
+    if two and len(groups) > 1 and sam_m < sum(len(x) for x, _ in micro):
         loss = 0.0
         for j, group in enumerate(groups):
             with first_pass(model):  # a clean gradient of this group alone
@@ -223,22 +232,24 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
                     / len(groups)
             if j < len(groups) - 1:
                 optimizer.next_group()  # w restored exactly; the g_SAM sum set aside
-    elif sam:
+    elif two:
         with first_pass(model):
             loss = accumulate(model, micro, scaler, label_smoothing, amp_dtype)
         optimizer.first_step(zero_grad=True)  # climb to w + eps_hat
         with second_pass(model, sync=not gsam):  # BatchNorm running stats come from the first pass only
             loss_p = accumulate(model, micro, scaler, label_smoothing, amp_dtype)  # g_SAM, averaged over replicas
-    else:
-        loss = accumulate(model, micro, scaler, label_smoothing, amp_dtype)
+    else:  # (LookSAM's one pass: the m-sharpness groups as micro-batches, BatchNorm as in its two-pass steps)
+        loss = accumulate(model, groups if len(groups) > 1 else micro, scaler, label_smoothing, amp_dtype)
     if gsam:
         optimizer.gsam_gradient(all_reduce=dist.is_initialized())  # g_p - alpha g_perp, mean over groups, replicas
+    if isinstance(optimizer, LookSAM):
+        optimizer.look_gradient(all_reduce=dist.is_initialized())  # refresh: g_v cached; else .grad += alpha||g|| g_v
     if window is not None:
-        window += torch.stack([loss, loss_p - loss if sam else torch.zeros_like(loss)])
+        window += torch.stack([loss, loss_p - loss if two else torch.zeros_like(loss), torch.ones_like(loss) * two])
     if clip_grad > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
-    scaler.step(optimizer)  # SAM: back to w, then the base step with g_SAM
+    scaler.step(optimizer)  # SAM, MSAM: back to w, then the base step (with g_SAM)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss
@@ -332,32 +343,13 @@ def make_optimizer(args, model, steps):
         return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=args.lr,
                     lr_min=lr_at(args.epochs * steps, args.lr, args.sched, args.warmup_steps, args.epochs, steps),
                     adaptive=args.adaptive, lr=args.lr, **base_kw)
+    if args.msam:  # perturbed along the base's momentum: AdamW's first moment, SGD's buffer
+        return MSAM(groups, base, rho=args.rho, lr=args.lr, **base_kw)
+    if args.sam and args.look_k > 1:
+        return LookSAM(groups, base, rho=args.rho, k=args.look_k, alpha=args.look_alpha, adaptive=args.adaptive,
+                       lr=args.lr, **base_kw)
     return (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
             else base(groups, lr=args.lr, **base_kw))
-
-
-def resume(args, model, optimizer, scaler, steps, log):
-    """--resume: weights, optimizer, GradScaler, step, history (the loop re-seeds the RNGs). -> (step, history)"""
-    ckpt = read_checkpoint(args.resume, '--resume')
-    old = ckpt['args']
-    if ckpt['steps_per_epoch'] != steps or old['batch_size'] != args.batch_size:
-        raise UserError(f'--resume {args.resume}: that run has --batch-size {old["batch_size"]} and '
-                        f'{ckpt["steps_per_epoch"]} steps per epoch, this one {args.batch_size} and {steps}; a '
-                        'resumed run keeps its global batch and training set')
-    try:
-        model.load_state_dict(ckpt['model'])
-        load_optimizer_state(optimizer, ckpt['optimizer'])  # this command line's rho, wd, eps, ...
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise UserError(f'--resume {args.resume} does not fit this run: {one_line(e)}') from None
-    if ckpt['scaler']:  # {} when the run had no enabled GradScaler (not fp16)
-        scaler.load_state_dict(ckpt['scaler'])
-    step = ckpt['step']
-    changed = [f'--{k.replace("_", "-")} {old.get(k)} -> {getattr(args, k)}' for k in RUN_KEYS
-               if old.get(k) != getattr(args, k)]  # only flags given on this command line can differ
-    log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
-        f'epoch); changed: {", ".join(changed) or "nothing"}')
-    machine_line(args, old, log)
-    return step, ckpt['history']
 
 
 # -----------------------------------------------------------------------------
@@ -396,7 +388,8 @@ def main(argv=None):
     train_model, steps = torch.compile(train_model) if args.compile else train_model, sampler.steps
     optimizer = make_optimizer(args, model, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
-    step, history = resume(args, model, optimizer, scaler, steps, log) if args.resume else (0, [])
+    step, history = resume_at_step(args, model, optimizer, scaler, steps, RUN_KEYS, DEFAULTS, log) if args.resume \
+        else (0, [])
     total, stop = args.epochs * steps, min(args.epochs * steps, args.max_steps or math.inf)
     check_lr_not_all_zero((lr_at(s, args.lr, args.sched, args.warmup_steps, args.epochs, steps) for s in
                            range(step, total)), args, steps, step, f'--sched {args.sched}',
@@ -404,7 +397,10 @@ def main(argv=None):
     last, saved = os.path.join(args.out, 'last.pt'), (args.resume, step) if args.resume else (None, 0)
     info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps, total_steps=total)
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
-        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
+        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}'
+        + (f', LookSAM k {args.look_k} alpha {args.look_alpha}' if isinstance(optimizer, LookSAM) else '')
+        + (f', MSAM rho {args.rho} (0 for the {args.warmup_steps} warm-up steps)' if args.msam else '') +
+        f', out {args.out}')
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     first_bad = torch.full((), NO_STEP, device=device)  # the first step with a non-finite loss, kept on the device
     evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step
@@ -415,7 +411,7 @@ def main(argv=None):
             sampler.set_epoch(epoch)
             sampler.start = start
             t_epoch = t_window = time.time()
-            window, n_window, epoch_loss = torch.zeros(2, device=device), 0, 0.0  # loss sum, gap sum; steps
+            window, n_window, epoch_loss = torch.zeros(3, device=device), 0, 0.0  # loss, gap sums, gaps; steps
             train_model.train()
             batches = train_loader if args.synthetic else on_device(train_loader, mean, std, fmt)
             for micro in itertools.islice(zip(*[iter(batches)] * k), min(stop - step, steps - start)):  # k at a time
@@ -423,8 +419,8 @@ def main(argv=None):
                 micro = [(random_erasing(x, args.reprob, noise=True) if args.reprob else x, y) for x, y in micro]
                 micro = [mix(x, y) if mix is not None else (x, y) for x, y in micro]
                 lr = lr_at(step, args.lr, args.sched, args.warmup_steps, args.epochs, steps)
-                for group in optimizer.param_groups:
-                    group['lr'] = lr
+                for group in optimizer.param_groups:  # MSAM: rho 0 through the LR warm-up (msam.py)
+                    group.update(lr=lr, **{'rho': args.rho * (step >= args.warmup_steps)} if args.msam else {})
                 loss = train_step(train_model, optimizer, scaler, micro, sam=args.sam, clip_grad=args.clip_grad,
                                   label_smoothing=args.label_smoothing, amp_dtype=proc.amp_dtype, sam_m=m,
                                   window=window)  # (+= the loss and, SAM/GSAM, the surrogate gap, on the device)
@@ -434,9 +430,9 @@ def main(argv=None):
                     check_finite(first_bad, steps, saved, 'step', distributed)
                     if distributed:
                         dist.all_reduce(window)
-                    (loss_sum, gap_sum), n = window.tolist(), world * n_window  # gap: SAM/GSAM's f_p - f
+                    (loss_sum, gap_sum, gaps), n = window.tolist(), world * n_window  # gap: SAM/GSAM's f_p - f
                     history.append(row := dict(kind='train', epoch=epoch + 1, step=step, lr=lr, loss=loss_sum / n,
-                                               **({'surrogate_gap': gap_sum / n} if args.sam else {}),
+                                               **({'surrogate_gap': gap_sum / gaps} if args.sam and gaps else {}),
                                                img_per_s=args.batch_size * n_window / (time.time() - t_window),
                                                elapsed_s=time.time() - t_start))
                     epoch_loss += row['loss'] * n_window
@@ -446,7 +442,7 @@ def main(argv=None):
                             f'{eta(t_loop, step - step0, total - step)}')
                         if master and (saved[0] or not args.overwrite):  # --overwrite: the old run stays whole
                             save_atomic(Path(args.out, 'metrics.jsonl'), history)  # until this one's first save
-                    window, n_window, t_window = torch.zeros(2, device=device), 0, time.time()
+                    window, n_window, t_window = torch.zeros(3, device=device), 0, time.time()
                 if args.save_every and step % args.save_every == 0 and step % steps:  # mid-epoch checkpoint
                     check_finite(first_bad, steps, saved, 'step', distributed)
                     sync_buffers(model, distributed)  # rank 0's BatchNorm statistics, as saved, on every rank

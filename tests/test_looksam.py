@@ -502,3 +502,161 @@ for leaf, cls, kw in (('looksam', 'LookSAM', dict(k=2)), ('msam', 'MSAM', dict(m
     r = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, capture_output=True, text=True,
                        env={**os.environ, 'PYTHONPATH': ''})
     assert r.returncode == 0 and r.stdout.split() == ['looksam', 'ok', 'msam', 'ok'], r.stderr
+
+
+# -----------------------------------------------------------------------------
+# The scripts: --look-k / --look-alpha (and test_msam.py's --msam) through train_cifar.py and train_imagenet.py
+TINY = ['--model-kw', 'dim=16', 'depth=1', 'patch_size=4', 'kernel_size=3']  # ConvMixer with BatchNorm
+
+
+def _cifar(cifar10_dir, out, *extra, epochs=2):
+    """train_cifar.main on 100 images, batch 50 (2 steps an epoch) -> (the final state_dict, the train rows)."""
+    import train_cifar
+    common = ['--data', cifar10_dir, '--train-subset', 100, '--test-subset', 10, '--batch-size', 50, '--epochs',
+              epochs, '--log-every', 0, *TINY]
+    train_cifar.main([str(a) for a in [*common, *extra, '--out', out]])
+    rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
+    return torch.load(out / 'last.pt', weights_only=True)['model'], [r for r in rows if r['kind'] == 'train']
+
+
+def _same_state(a, b):
+    return a.keys() == b.keys() and all(torch.equal(v, b[k]) for k, v in a.items())
+
+
+def _ctrl_c_at(monkeypatch, module, call):
+    """module.train_step raises KeyboardInterrupt at its call-th call (counted from 1), as a Ctrl-C there."""
+    real = module.train_step
+
+    def stop(*a, **k):
+        stop.calls += 1
+        if stop.calls == call:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    stop.calls = 0
+    monkeypatch.setattr(module, 'train_step', stop)
+    return real
+
+
+def test_cifar_look_k_one_is_sam_and_rho_zero_is_the_base_optimizer(cifar10_dir, tmp_path):
+    """train_cifar.py: --look-k 1 is --sam bit for bit (m 25); --look-k 3 --rho 0 is AdamW bit for bit; --look-k 3
+    trains otherwise; its epoch rows hold the mean surrogate gap of their two-pass steps (t = 0, t = 3): epoch 1's is
+    that of SAM's first step (SAM's row of step 1), not halved by the reuse step beside it."""
+    w, rows = {}, {}
+    for name, extra in (('sam', ['--sam', '--rho', 0.5, '--sam-m', 25, '--log-every', 1]), ('base', []),
+                        ('look1', ['--sam', '--rho', 0.5, '--sam-m', 25, '--look-k', 1, '--log-every', 1]),
+                        ('look3', ['--sam', '--rho', 0.5, '--sam-m', 25, '--look-k', 3]),  # (a row an epoch)
+                        ('look3-rho0', ['--sam', '--rho', 0, '--look-k', 3])):  # (m = 50: the base's BatchNorm)
+        w[name], rows[name] = _cifar(cifar10_dir, tmp_path / name, *extra)
+    assert _same_state(w['sam'], w['look1']) and _same_state(w['base'], w['look3-rho0'])
+    assert not _same_state(w['sam'], w['look3']) and not _same_state(w['base'], w['look3'])
+    assert [r['surrogate_gap'] > 0 for r in rows['look3']] == [True, True]
+    assert rows['look3'][0]['surrogate_gap'] == rows['sam'][0]['surrogate_gap']  # epoch 1: t = 0's, SAM's step 1
+
+
+def test_cifar_looksam_stopped_mid_cycle_resumes_bit_identically(cifar10_dir, tmp_path, monkeypatch):
+    """k 3 over 3 epochs of 2 steps: Ctrl-C in the first step of epoch 3; the resume starts at t = 4, mid-cycle, with
+    the g_v of t = 3 from last.pt, and ends where the whole run ends (BatchNorm, 2 m-sharpness groups)."""
+    import train_cifar
+    flags = ['--sam', '--rho', 0.5, '--sam-m', 25, '--look-k', 3, '--look-alpha', 0.5]
+    whole, _ = _cifar(cifar10_dir, tmp_path / 'whole', *flags, epochs=3)
+    real = _ctrl_c_at(monkeypatch, train_cifar, 5)
+    with pytest.raises(SystemExit):
+        _cifar(cifar10_dir, tmp_path / 'cut', *flags, epochs=3)
+    monkeypatch.setattr(train_cifar, 'train_step', real)
+    assert torch.load(tmp_path / 'cut' / 'last.pt', weights_only=True)['optimizer']['looksam']['t'] == 4
+    train_cifar.main(['--resume', str(tmp_path / 'cut' / 'last.pt')])
+    assert _same_state(whole, torch.load(tmp_path / 'cut' / 'last.pt', weights_only=True)['model'])
+
+
+@pytest.fixture(scope='module')
+def imagenet_dir(cifar10_dir, tmp_path_factory):
+    """40 CIFAR training and 10 test images in train_imagenet.py's folder layout."""
+    root = tmp_path_factory.mktemp('imagenet')
+    for split, src, n in (('train', 'train', 4), ('val', 'test', 1)):
+        for c in sorted(os.listdir(cifar10_dir / src)):
+            (root / split / c).mkdir(parents=True)
+            for f in sorted(os.listdir(cifar10_dir / src / c))[:n]:
+                shutil.copy(cifar10_dir / src / c / f, root / split / c / f.replace('.jpg', '.JPEG'))
+    return root
+
+
+def _imagenet(root, out, *extra, steps=4):
+    """train_imagenet.main: a 1-block ViT, 2 micro-batches of 4 (m-sharpness groups of 2 with --sam-m 2), a
+    checkpoint every step -> the final state_dict."""
+    import train_imagenet
+    common = ['--data', root, '--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=32', 'heads=2', '--img-size', 32,
+              '--batch-size', 8, '--accum-steps', 2, '--max-steps', steps, '--log-every', 1, '--workers', 0,
+              '--save-every', 1, '--lr', 0.01, '--warmup-steps', 1]
+    train_imagenet.main([str(a) for a in [*common, *extra, '--out', out]])
+    return torch.load(out / 'last.pt', weights_only=False)['model']
+
+
+def test_imagenet_look_k_one_is_sam_and_a_stopped_cycle_resumes_bit_identically(imagenet_dir, tmp_path, monkeypatch):
+    """train_imagenet.py: --look-k 1 is --sam bit for bit; LookSAM's rows (k 3, one a step) hold the surrogate gap of
+    its two-pass steps only; stopped by Ctrl-C in step 3 (mid-cycle, the mid-epoch checkpoint of step 2) and resumed,
+    it ends where the whole run ends."""
+    import train_imagenet
+    sam = ['--sam', '--rho', 0.5, '--sam-m', 2]
+    w = {name: _imagenet(imagenet_dir, tmp_path / name, *sam, *extra)
+         for name, extra in (('sam', []), ('look1', ['--look-k', 1]), ('look3', ['--look-k', 3]))}
+    assert _same_state(w['sam'], w['look1']) and not _same_state(w['sam'], w['look3'])
+    rows = [json.loads(line) for line in (tmp_path / 'look3' / 'metrics.jsonl').read_text().splitlines()]
+    assert ['surrogate_gap' in r for r in rows if r['kind'] == 'train'] == [True, False, False, True]  # a row a step
+    real = _ctrl_c_at(monkeypatch, train_imagenet, 3)
+    with pytest.raises(SystemExit):
+        _imagenet(imagenet_dir, tmp_path / 'cut', *sam, '--look-k', 3)
+    monkeypatch.setattr(train_imagenet, 'train_step', real)
+    train_imagenet.main(['--resume', str(tmp_path / 'cut' / 'last.pt'), '--max-steps', '4'])  # (not stored)
+    assert _same_state(w['look3'], torch.load(tmp_path / 'cut' / 'last.pt', weights_only=False)['model'])
+
+
+@pytest.mark.parametrize('script', ['train_cifar', 'train_imagenet'])
+@pytest.mark.parametrize('argv,message', [
+    (['--sam', '--look-k', '0'], '--look-k must be a finite number > 0, got 0'),
+    (['--sam', '--look-alpha', '-1'], '--look-alpha must be a finite number >= 0, got -1.0'),
+    (['--sam', '--look-alpha', 'nan'], '--look-alpha must be a finite number >= 0, got nan'),
+    (['--look-k', '3', '--look-alpha', '0.2'], '--look-k, --look-alpha only act with --sam: add --sam'),
+    (['--sam', '--look-k', '3', '--gsam-alpha', '0.1'], '--look-k above 1 (LookSAM'),
+    (['--sam', '--msam'], '--msam replaces --sam'),
+    (['--msam', '--adaptive', '--sam-m', '4'], '--adaptive, --sam-m only act with --sam: --msam takes --rho only'),
+    (['--msam', '--rho', '-1'], '--rho must be a finite number >= 0, got -1.0'),
+])
+def test_bad_look_and_msam_flags_are_refused_in_one_line(script, argv, message):
+    import utils
+    mod = __import__(script)
+    with pytest.raises(utils.UserError, match=re.escape(message)):
+        mod.get_args(argv + (['--synthetic'] if script == 'train_imagenet' else []))
+
+
+@pytest.mark.parametrize('method', ['looksam', 'msam'])
+@pytest.mark.parametrize('script', ['train_cifar', 'train_imagenet'])
+def test_the_scripts_train_step_is_the_leafs_loop(script, method):
+    """Each script's written-out step (its train_step) equals the loop of looksam.py's / msam.py's docstring, bit for
+    bit: 5 steps (k 2: refreshes and reuses), BatchNorm, 2 m-sharpness groups of 4 (train_imagenet: 2 micro-batches
+    of 4, groups of 2; MSAM: the script's micro-batches)."""
+    import argparse
+    from msam import MSAM
+    from test_msam import _msam_step
+    mod = __import__(script)
+    runs = []
+    for loop in ('script', 'leaf'):
+        model = _mlp(0, bn=True)
+        opt = LookSAM(model.parameters(), torch.optim.AdamW, rho=0.2, k=2, alpha=0.7, lr=1e-2) if method == 'looksam' \
+            else MSAM(model.parameters(), torch.optim.AdamW, rho=0.5, lr=1e-2)
+        scaler = torch.amp.GradScaler('cpu', enabled=False)
+        for t in range(5):
+            x, y = _data(t, 8)
+            m = 4 if script == 'train_cifar' else 2
+            if loop == 'leaf':  # (MSAM: the script's micro-batches; train_cifar has none, no groups without --sam)
+                n = m if method == 'looksam' else 8 if script == 'train_cifar' else 4
+                groups = list(zip(x.split(n), y.split(n)))
+                _look_step(model, opt, groups) if method == 'looksam' else _msam_step(model, opt, groups)
+            elif script == 'train_cifar':
+                args = argparse.Namespace(sam=method == 'looksam', msam=method == 'msam', clip_grad=0.0)
+                mod.train_step(model, model, opt, scaler, nn.CrossEntropyLoss(), x, y, m, args,
+                               contextlib.nullcontext())
+            else:
+                mod.train_step(model, opt, scaler, [(x[:4], y[:4]), (x[4:], y[4:])], sam=method == 'looksam',
+                               clip_grad=0.0, sam_m=m)
+        runs.append(_params(model) + [b.clone() for b in model.buffers()])
+    assert _same(*runs)

@@ -3,6 +3,7 @@ SGD-momentum and AdamW updates written out), against the base optimizer (rho = 0
 GradScaler overflows and loss scales, a resume, bad settings, and through train_cifar.py's and train_imagenet.py's
 flags. (MSAM under DDP, 2 gloo ranks against one process, runs in test_looksam.py's spawn: one torch start-up.)"""
 import io
+import json
 import math
 import re
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from msam import MSAM
-from test_looksam import F64, _data, _flat_grad, _mlp, _params, _same
+from test_looksam import F64, _data, _flat_grad, _mlp, _params, _same, imagenet_dir  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.usefixtures('one_thread')  # tiny ops: a second thread only contends
 
@@ -187,3 +188,33 @@ def test_misuse_fails_loudly():
 def test_bad_settings_are_refused(base, kw, error, message):
     with pytest.raises(error, match=re.escape(message)):
         MSAM(_mlp(0).parameters(), base, **kw)
+
+
+# -----------------------------------------------------------------------------
+# The scripts: --msam (the flag checks are test_looksam.py's, with LookSAM's)
+def test_cifar_msam_rho_zero_is_adamw_its_default_rho_and_a_resume(cifar10_dir, tmp_path, monkeypatch):
+    """train_cifar.py: --msam --rho 0 is AdamW bit for bit; --msam alone runs at rho 3 (stored) and trains otherwise;
+    stopped by Ctrl-C in epoch 2 and resumed, it ends where the whole run ends."""
+    import train_cifar
+    from test_looksam import _cifar, _ctrl_c_at, _same_state
+    base, _ = _cifar(cifar10_dir, tmp_path / 'base')
+    rho0, _ = _cifar(cifar10_dir, tmp_path / 'rho0', '--msam', '--rho', 0)
+    msam, rows = _cifar(cifar10_dir, tmp_path / 'msam', '--msam')
+    assert _same_state(base, rho0) and not _same_state(base, msam)
+    assert json.loads((tmp_path / 'msam' / 'args.json').read_text())['rho'] == 3.0
+    assert all('surrogate_gap' not in r for r in rows)  # (one pass: no clean loss beside the perturbed one)
+    real = _ctrl_c_at(monkeypatch, train_cifar, 3)
+    with pytest.raises(SystemExit):
+        _cifar(cifar10_dir, tmp_path / 'cut', '--msam')
+    monkeypatch.setattr(train_cifar, 'train_step', real)
+    train_cifar.main(['--resume', str(tmp_path / 'cut' / 'last.pt')])
+    assert _same_state(msam, torch.load(tmp_path / 'cut' / 'last.pt', weights_only=True)['model'])
+
+
+def test_imagenet_msam_rho_is_zero_through_the_warm_up(imagenet_dir, tmp_path):
+    """train_imagenet.py: 4 steps all inside --warmup-steps 4 are AdamW's bit for bit (rho 0 there, the official
+    ViT/AdamW rule); with --warmup-steps 1 MSAM moves from step 1 on and trains otherwise."""
+    from test_looksam import _imagenet, _same_state
+    w = {(msam, warm): _imagenet(imagenet_dir, tmp_path / f'{msam}{warm}', *['--msam'] * msam, '--warmup-steps', warm)
+         for msam in (0, 1) for warm in (1, 4)}
+    assert _same_state(w[0, 4], w[1, 4]) and not _same_state(w[0, 1], w[1, 1])
