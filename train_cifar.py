@@ -163,6 +163,9 @@ def lr_at(t, epochs, lr, recipe='locuslab'):
     return float(np.interp(t, [0, epochs * 2 // 5, epochs * 4 // 5, epochs], [0, lr, lr / 20, 0]))
 
 
+def rho_at(t, args):  # MSAM's at t epochs: 0 through finetune's LR warm-up (the MSAM authors' ViT rule; msam.py)
+    return args.rho * (args.recipe != 'finetune' or t >= WARMUP * args.epochs)  # (locuslab's one cycle: none)
+
 
 def make_model(args):
     """The model (models.py, with the CIFAR adaptation at 32 px) and the weights of --checkpoint, --resume or
@@ -199,9 +202,8 @@ def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
     once; BatchNorm statistics come from the first passes. m = the whole batch (the default) is one group.
     GSAM (sam.GSAM): each group's (each replica's) g_p is decomposed against its own g, so the second passes run
     under no_sync too and gsam_gradient() averages the result over the replicas in one all-reduce (big_vision's
-    pmean after gsam_gradient). LookSAM: the two passes on every --look-k-th step (opt.refresh), one pass over the
-    groups as micro-batches between; look_gradient() caches g_v or adds it (looksam.py). MSAM: one pass, at w - rho
-    m/||m|| (msam.py)."""
+    pmean after gsam_gradient). LookSAM: two passes every --look-k-th step (opt.refresh), one over the groups as
+    micro-batches between; look_gradient() caches g_v or adds it (looksam.py). MSAM: one pass at w - rho m/||m||."""
     groups = list(zip(x.split(m), y.split(m))) if args.sam else [(x, y)]
     gsam, two = isinstance(opt, GSAM), args.sam and getattr(opt, 'refresh', True)  # two: SAM's passes this step
     if args.msam:
@@ -326,7 +328,6 @@ def main(argv=None):
             f'{r["top1"]:.2f}% ({r["correct"]}/{r["n"]}) top-5 {r["top5"]:.2f}% | world {world}')
         return leave(proc.ddp)
     steps = len(train_y) // args.batch_size  # the last partial batch is dropped (module docstring)
-    warm = WARMUP * args.epochs * (args.recipe == 'finetune')  # epochs of LR warm-up (MSAM: rho 0 through them)
     augment = make_augment(**{k: getattr(args, k) for k in AUG_FLAGS}, mean=norm[0], std=norm[1], device=device)
     opt, scaler = make_optimizer(args, raw), torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # (bf16)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -342,9 +343,8 @@ def main(argv=None):
         f'{args.dataset}: {len(train_y):,} train / {len(test_y):,} test at {args.img_size} px | {args.epochs} epochs '
         f'x {steps} steps of {args.batch_size} ({world} x {batch})'
         f' | {type(getattr(opt, "base_optimizer", opt)).__name__} lr {args.lr} wd {args.wd}'
-        f'{f" | SAM rho {args.rho} m {m}" * args.sam}'
-        + (f' | LookSAM k {args.look_k} alpha {args.look_alpha}' if isinstance(opt, LookSAM) else '')
-        + (f' | MSAM rho {args.rho} (0 for the {warm:g} warm-up epochs)' if args.msam else '') +
+        f'{f" | SAM rho {args.rho} m {m}" * args.sam}{f" | MSAM rho {args.rho}" * args.msam}'
+        + (f' | LookSAM k {args.look_k} alpha {args.look_alpha}' if isinstance(opt, LookSAM) else '') +
         f'{f" | GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho_min}" * isinstance(opt, GSAM)}'
         f'{f" | PGD-{args.adv_steps} eps {args.adv_eps:g}/255" * bool(args.adv)}'
         f' | aug {args.aug} | amp {proc.amp} | {device}')
@@ -362,8 +362,8 @@ def main(argv=None):
             model.train()                                      # sum, correct, images, gap sum, images with a gap)
             for i in range(steps):
                 lr = lr_at(epoch + (i + 1) / steps, args.epochs, args.lr, args.recipe)
-                for group in opt.param_groups:  # MSAM: rho 0 through the LR warm-up (msam.py; locuslab's has none)
-                    group.update(lr=lr, **{'rho': args.rho * (epoch + (i + 1) / steps >= warm)} if args.msam else {})
+                for group in opt.param_groups:
+                    group.update(lr=lr, **{'rho': rho_at(epoch + (i + 1) / steps, args)} if args.msam else {})
                 idx = perm[i * args.batch_size + rank * batch:i * args.batch_size + (rank + 1) * batch]
                 x, y = resize(augment(train_x[idx]), args.img_size), train_y[idx]
                 if args.adv:  # PGD on [0, 1] pixels (normalised inside), made at w in eval mode: no BatchNorm update
