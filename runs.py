@@ -143,9 +143,10 @@ def restore(ckpt, opt, scaler, args, not_inherited, log):
     return ckpt['epoch'], ckpt['step'], ckpt['history']
 
 
-def resume_at_step(args, model, optimizer, scaler, steps, run_keys, defaults, log):
+def resume_run(args, model, optimizer, scaler, steps, run_keys, log):
     """--resume, step-based (train_imagenet.py): weights, optimizer, GradScaler, step, history (the loop re-seeds the
-    RNGs); logs the flags of run_keys that changed (a key the run predates: its default). -> (step, history)"""
+    RNGs); logs the flags that changed (run_keys: flag -> its default, for a run older than the flag).
+    -> (step, history)"""
     ckpt = read_checkpoint(args.resume, '--resume')
     old = ckpt['args']
     if ckpt['steps_per_epoch'] != steps or old['batch_size'] != args.batch_size:
@@ -160,8 +161,8 @@ def resume_at_step(args, model, optimizer, scaler, steps, run_keys, defaults, lo
     if ckpt['scaler']:  # {} when the run had no enabled GradScaler (not fp16)
         scaler.load_state_dict(ckpt['scaler'])
     step = ckpt['step']
-    changed = [f'--{k.replace("_", "-")} {old.get(k, defaults.get(k))} -> {getattr(args, k)}' for k in run_keys
-               if old.get(k, defaults.get(k)) != getattr(args, k)]  # only flags given on this command line can differ
+    changed = [f'--{k.replace("_", "-")} {old.get(k, v)} -> {getattr(args, k)}' for k, v in run_keys.items()
+               if old.get(k, v) != getattr(args, k)]  # only flags given on this command line can differ
     log(f'resumed {args.resume} at epoch {step // steps + 1}, step {step} ({step % steps} of {steps} in this '
         f'epoch); changed: {", ".join(changed) or "nothing"}')
     machine_line(args, old, log)

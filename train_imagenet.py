@@ -34,7 +34,7 @@ from loader import collate_bytes, node_workers, on_device, train_transform
 from looksam import LookSAM
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
 from msam import MSAM
-from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, resume_at_step, save_atomic, written_by
+from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, resume_run, save_atomic, written_by
 from sam import GSAM, SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, micro_batch_cap,
                    score, setup, since_checkpoint, sync_buffers, wrap_ddp)
@@ -63,8 +63,8 @@ DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_m
                 rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=None,
                 synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None,  # the same in every recipe (None: SAM)
                 look_k=1, look_alpha=0.7, msam=False)
-RUN_KEYS = [k for k in ['data', 'recipe', *DEFAULTS, *RECIPES['sam']] if k not in MACHINE_FLAGS]  # what --resume
-# takes from the run (runs.MACHINE_FLAGS: this command line's, or this node's defaults)
+RUN_KEYS = {k: DEFAULTS.get(k) for k in ['data', 'recipe', *DEFAULTS, *RECIPES['sam']] if k not in MACHINE_FLAGS}
+# what --resume takes from the run, -> the default of a flag the run predates (runs.MACHINE_FLAGS: not taken)
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
 PRETRAINED_KEYS = ['model', 'model_kw']  # what --pretrained takes from one of our last.pt files
 POSITIVE = ['epochs', 'batch_size', 'lr', 'opt_eps', 'img_size', 'crop_min', 'crop_pct', 'eval_batch_size', 'look_k']
@@ -388,8 +388,7 @@ def main(argv=None):
     train_model, steps = torch.compile(train_model) if args.compile else train_model, sampler.steps
     optimizer = make_optimizer(args, model, steps)
     scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
-    step, history = resume_at_step(args, model, optimizer, scaler, steps, RUN_KEYS, DEFAULTS, log) if args.resume \
-        else (0, [])
+    step, history = resume_run(args, model, optimizer, scaler, steps, RUN_KEYS, log) if args.resume else (0, [])
     total, stop = args.epochs * steps, min(args.epochs * steps, args.max_steps or math.inf)
     check_lr_not_all_zero((lr_at(s, args.lr, args.sched, args.warmup_steps, args.epochs, steps) for s in
                            range(step, total)), args, steps, step, f'--sched {args.sched}',
@@ -397,10 +396,8 @@ def main(argv=None):
     last, saved = os.path.join(args.out, 'last.pt'), (args.resume, step) if args.resume else (None, 0)
     info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps, total_steps=total)
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
-        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}'
-        + (f', LookSAM k {args.look_k} alpha {args.look_alpha}' if isinstance(optimizer, LookSAM) else '')
-        + (f', MSAM rho {args.rho} (0 for the {args.warmup_steps} warm-up steps)' if args.msam else '') +
-        f', out {args.out}')
+        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}{f", MSAM rho {args.rho}" * args.msam}'
+        f'{f", LookSAM k {args.look_k} alpha {args.look_alpha}" * isinstance(optimizer, LookSAM)}, out {args.out}')
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     first_bad = torch.full((), NO_STEP, device=device)  # the first step with a non-finite loss, kept on the device
     evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step
