@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import signal
+import tempfile
 import uuid
 
 import numpy as np
@@ -108,6 +109,14 @@ def reserve(path, shape, what, advice):
         raise UserError(f'{what}, its disk has {free / 1e9:.3g} GB free ({e.strerror or e}); {advice}') from None
 
 
+def keep_file(m, shape):
+    """A .npy (m, *shape) of this process's, in TMPDIR, reserved: m decoded images kept for their corruptions."""
+    path = tempfile.NamedTemporaryFile(suffix='.npy', delete=False).name
+    reserve(path, (m, *shape), f"keeping this process's {m:,} decoded images in {os.path.dirname(path)} needs "
+            f'{m * math.prod(shape) / 1e9:.3g} GB', 'free some, or set TMPDIR to a disk with room')
+    return path
+
+
 def owned(start, end, rank, page):
     """Of the bytes [start, end) a rank fills, the part it writes itself -> (a, b): rank 0 all of its own; rank r > 0
     the whole pages inside them only. The rest (under a page at each end) goes to rank 0, which writes it: no page of
@@ -174,8 +183,7 @@ def open_cache(cache_dir):
     if not os.path.isfile(path):
         raise UserError(f'--cache {cache_dir} is not a cache of robustness.py (no meta.json; a published CIFAR-10-C '
                         'is --benchmark cifar10-c --data DIR): give a new or empty folder')
-    meta = read_json(path, f'pick another --cache (or delete {cache_dir} if this script made it)')  # (save_atomic:
-    # written whole or not at all: a cut one was edited)
+    meta = read_json(path, f'pick another --cache (or delete {cache_dir} if this script made it)')  # (cut: edited)
     if not isinstance(meta, dict) or meta.get('made_by') != CACHE_MARK:
         raise UserError(f'--cache {cache_dir}: its meta.json is not robustness.py\'s; give a new or empty folder')
     return meta

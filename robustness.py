@@ -23,7 +23,6 @@ import math
 import os
 import pkgutil
 import sys
-import tempfile
 import time
 from types import SimpleNamespace
 
@@ -213,18 +212,14 @@ def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPT
         for x, y, j in cc.loader(torch.utils.data.Subset(clean, range(lo, hi)), 0 if tensors else workers,
                                  batch_size=batch_size):  # this rank's clean images (ImageNet: decoded in the workers)
             if not tensors and keep is None:  # decoded once: kept for the corruptions
-                shape, keep = image_shape(x[0]), tempfile.NamedTemporaryFile(suffix='.npy', delete=False).name
-                cc.reserve(keep, (m, *shape), f"keeping this process's {m:,} decoded images in "
-                           f'{os.path.dirname(keep)} needs {m * math.prod(shape) / 1e9:.3g} GB',
-                           'free some, or set TMPDIR to a disk with room')
-                kept = np.load(keep, mmap_mode='r+')
+                shape = image_shape(x[0])
+                kept = np.load(keep := cc.keep_file(m, shape), mmap_mode='r+')
             seen += [(hashlib.sha256(a.numpy().tobytes()).digest(), int(b)) for a, b in zip(x, y)]  # the cache's
             clean_k += count(model, [(x, y, j)], mean, std, amp)  # identity of the set: each image's sha256, label
             if keep:
                 kept[int(j[0]) - lo:int(j[-1]) + 1 - lo] = x.permute(0, 2, 3, 1).numpy()
         if keep:
-            kept.flush()
-            del kept
+            kept.flush()  # (read back by path in the loader's workers)
         cached, files = cache_verdict(clean, seen, n, shape, seed, version, cache_dir, corruptions, rank, world)
         k = make_and_count(model, images_u8[lo:hi] if tensors else keep, seen, corruptions, severities, made, seed,
                            cache_dir, cached, files, batch_size, workers, n, lo, hi, rank, world, mean, std, amp,
@@ -325,7 +320,7 @@ def read_cifar10c(root, corruptions, num_classes):
     labels = load_npy(os.path.join(root, 'labels.npy'), 'fetch it again')
     arrays = {c: load_npy(os.path.join(root, f'{c}.npy'), 'fetch it again') for c in corruptions}
     for c, a in arrays.items():
-        if a.dtype != np.uint8 or a.ndim != 4 or a.shape[-1] != 3 or len(a) % len(SEVERITIES):
+        if a.dtype != np.uint8 or a.ndim != 4 or a.shape[-1] != 3 or len(a) % len(SEVERITIES) or not len(a):
             raise UserError(f'{root}/{c}.npy is {a.dtype} {a.shape}; expected uint8 (5 x N, H, W, 3)')
         if len(a) != len(labels):
             raise UserError(f'{root}/labels.npy has {len(labels)} labels but {c}.npy has {len(a)} images')
@@ -536,6 +531,8 @@ def prepare(args):
     imagenet_only(dataset, args.checkpoint, stored, **{k: getattr(args, k) for k in EVAL_PREP})
     clean_root = args.clean if args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c') else args.data
     classes, samples = folder_samples(clean_root, args.subset) if dataset == 'imagenet' else (None, None)  # (sorted)
+    if samples == []:  # class folders without images: no figure of nothing
+        raise UserError(f'{clean_root} holds no images ({", ".join(IMG_EXTENSIONS)}) in its class folders')
     # a real write now, not after hours of evaluation; rank 0 holds OUT/.lock as the training scripts do (runs.py):
     # a second run into --out is refused while this one runs (what results.json holds is checked above)
     prepare_out(SimpleNamespace(out=args.out, overwrite=True, resume=None), lock=os.environ.get('RANK', '0') == '0')
@@ -592,6 +589,8 @@ def run(args, stored, dataset, clean_root, classes, samples):
             # beside ImageNet-R, its paper's clean figure: the val images of the same 200 classes, masked alike
             groups = {'imagenet_r': ([(p, classes.index(r_classes[y])) for p, y in r_samples], mask),
                       'clean_200': ([s for s in samples if classes[s[1]] in in_r], mask)}
+            if not (groups['imagenet_r'][0] and groups['clean_200'][0]):  # no figure of nothing
+                raise UserError(f"no images of ImageNet-R's 200 classes in {args.data} or in --clean {clean_root}")
         groups['clean'] = (samples, None)
         k = all_reduce([count(model, folder_batches(g, transform, batch, args.workers, rank, world), mean, std, amp, m)
                         for g, m in groups.values()], world)

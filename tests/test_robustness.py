@@ -827,13 +827,25 @@ def test_issue34_bad_inputs_are_one_true_line(case, argv, line, trained, cifar10
     (['--attack', 'fgsm', '--seed', 3], '--seed only acts with --benchmark corrupt or --attack pgd'),
     (['--benchmark', 'cifar10-c', '--clean', '{data}', '--seed', 3], '--seed only acts with --benchmark corrupt'),
 ])
-def test_issue42_flags_acting_on_nothing_and_a_set_of_nothing_are_one_line(argv, line, trained, cifar10_dir, tmp_path):
-    """The kind of T03 here: --seed with FGSM or a published benchmark seeded nothing. And no images, no accuracy."""
+def test_issue42_flags_acting_on_nothing_are_one_line(argv, line, trained, cifar10_dir, tmp_path):
+    """The kind of T03 here: --seed with FGSM or a published benchmark seeded nothing."""
+    refused([*(str(a).format(data=cifar10_dir) for a in argv), '--data', cifar10_dir, '--checkpoint', trained[3]],
+            line, tmp_path / 'o')
+
+
+def test_issue42_no_images_give_no_figure(trained, cifar10_dir, tmp_path):
+    """A result computed from nothing: an empty set to corrupt, a folder of empty class folders (a division by 0
+    images), a CIFAR-10-C of 0 rows (labels.min() of nothing): each one line."""
     model, xt, yt, ckpt = trained
-    refused([*(str(a).format(data=cifar10_dir) for a in argv), '--data', cifar10_dir, '--checkpoint', ckpt], line,
-            tmp_path / 'o')
     with pytest.raises(rb.UserError, match='no images to corrupt'):
         rb.corruption_accuracy(model, xt[:0], yt[:0], MEAN, STD, ['contrast'])
+    (tmp_path / 'val' / 'n01440764').mkdir(parents=True)  # class folders without images: a division by 0 images
+    torch.save(model.state_dict(), tmp_path / 'sd.pt')
+    refused(['--attack', 'fgsm', '--data', tmp_path / 'val', '--checkpoint', tmp_path / 'sd.pt', '--dataset',
+             'imagenet'], f'{tmp_path / "val"} holds no images (.jpg, ', tmp_path / 'o')
+    root = published_c10c(tmp_path / 'C', n=0)  # (labels.min() of nothing was a traceback)
+    refused(['--benchmark', 'cifar10-c', '--data', root, '--clean', cifar10_dir, '--checkpoint', ckpt, '--corruptions',
+             'gaussian_noise'], f'{root}/gaussian_noise.npy is uint8 (0, 32, 32, 3); expected', tmp_path / 'o')
 
 
 def test_bare_state_dict_with_its_dataset_is_scored_as_the_cifar_model_it_is(trained, cifar10_dir, tmp_path):
