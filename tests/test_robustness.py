@@ -1078,3 +1078,14 @@ def test_cifar10c_ranks_score_their_own_rows_image_for_image(trained, cifar10_di
     for s in range(1, 6):
         assert [sum(p['counts']['contrast'][str(s)][j] for p in parts) for j in (0, 1)] == [correct, 30], s
     assert sum(p['clean']['correct'] for p in parts) == direct_correct(model, x.permute(0, 2, 3, 1).numpy(), y)
+
+
+def test_an_imagenet_model_without_its_recipe_is_evaluated_as_train_imagenet_s_sam_recipe():
+    """Issue 48's kind (a recipe constant no test pins): a checkpoint that does not say its preprocessing (timm's, a
+    bare state_dict) is evaluated at train_imagenet.py's 'sam' recipe's size, crop, filter and mean/std: the
+    recipe the paper's ViTs train with there, read from that script's own RECIPES."""
+    import train_imagenet
+    assert rb.EVAL_PREP == {k: train_imagenet.RECIPES['sam'][k] for k in rb.EVAL_PREP}
+    args = SimpleNamespace(**{k: None for k in rb.EVAL_PREP})
+    assert rb.preprocessing(args, {}, 'imagenet') == {**rb.EVAL_PREP, 'mean': data.MEANS['jax'][0],
+                                                      'std': data.MEANS['jax'][1]}
