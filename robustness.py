@@ -101,10 +101,11 @@ def get_args(argv=None):
     if args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c') and not args.clean:
         raise UserError(f'--benchmark {args.benchmark} needs --clean DIR, the clean test set whose accuracy '
                         'goes beside the corrupted figures')
-    if not (args.eps >= 0 and args.alpha > 0 and math.isfinite(args.eps + args.alpha) and args.steps >= 1
-            and args.subset >= 0 and args.workers >= 0 and args.eval_batch_size >= 1):  # (inf: robust above clean)
-        raise UserError(f'need finite --eps >= 0 and --alpha > 0, --steps >= 1, --subset >= 0, --workers >= 0, '
-                        f'--eval-batch-size >= 1; got --eps {args.eps:g} --alpha {args.alpha:g}')
+    if not (0 <= args.eps <= 255 and 0 < args.alpha <= 255 and args.steps >= 1 and args.subset >= 0  # (inf: robust
+            and args.workers >= 0 and args.eval_batch_size >= 1):  # above clean; above float32: a traceback in pgd)
+        raise UserError(f'need --eps in [0, 255] and --alpha in (0, 255] (/255 pixel units: 255 is the whole range), '
+                        f'--steps >= 1, --subset >= 0, --workers >= 0, --eval-batch-size >= 1; got --eps {args.eps:g} '
+                        f'--alpha {args.alpha:g}')
     return args
 
 

@@ -482,8 +482,10 @@ def test_flags_the_run_cannot_honour_are_one_line(trained, cifar10_dir, tmp_path
     as the model's accuracy. Each: one line, status 1, no --out."""
     model, _, _, ckpt = trained
     attack = ['--attack', 'pgd', '--data', cifar10_dir, '--subset', 10, '--checkpoint', ckpt]
-    refused(attack + ['--eps', 'inf'], 'need finite --eps >= 0 and --alpha > 0', tmp_path / 'o', cifar10_dir)
-    refused(attack + ['--alpha', 'nan'], 'need finite --eps >= 0 and --alpha > 0', tmp_path / 'o')
+    need = 'need --eps in [0, 255] and --alpha in (0, 255] (/255 pixel units: 255 is the whole range)'
+    refused(attack + ['--eps', 'inf'], need, tmp_path / 'o', cifar10_dir)
+    refused(attack + ['--alpha', 'nan'], need, tmp_path / 'o')
+    refused(attack + ['--eps', 1e300], need, tmp_path / 'o')  # (above float32's range: pgd.py's traceback)
     refused(attack + ['--img-size', 64], f'--img-size only applies to ImageNet models; {ckpt} is a cifar10 model',
             tmp_path / 'o')
     refused(attack + ['--crop-pct', 0.9], '--crop-pct only applies to ImageNet models', tmp_path / 'o')
