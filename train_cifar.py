@@ -30,7 +30,8 @@ from flags import check_lr_not_all_zero, check_ranges, given
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw, zero_head
 from pgd import pgd
 from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
-from sam import GSAM, SAM, first_pass, second_pass
+from gsam import GSAM
+from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, rank_zero_first,
                    setup, since_checkpoint, sync_buffers, wrap_ddp)
 
@@ -75,7 +76,7 @@ def get_args(argv=None):
     g.add_argument('--adaptive', action='store_true', help='ASAM (Kwon et al. 2021): eps-hat scaled by |w|')
     g.add_argument('--sam-m', type=int, default=0, metavar='M', help='m-sharpness (Foret et al. Sec. 4.1): one eps-hat '
                    "per group of M images of a process's batch; 0: the whole of it, as the JAX code per device")
-    g.add_argument('--gsam-alpha', type=float, metavar='A', help='GSAM (Zhuang et al. 2022, sam.GSAM): update '
+    g.add_argument('--gsam-alpha', type=float, metavar='A', help='GSAM (Zhuang et al. 2022, gsam.GSAM): update '
                    'g_p - A g_perp; unset (and no --rho-min): plain SAM; 0 with --rho-min = --rho: SAM bit for bit')
     g.add_argument('--rho-min', type=float, metavar='R', help='GSAM: rho follows the LR schedule from R (at its end, '
                    'LR 0) to --rho (at its peak); unset: --rho, constant')
@@ -190,7 +191,7 @@ def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
     SAM (Foret et al. Alg. 1, sam.py) with m-sharpness (Sec. 4.1): each group of m images gets its own eps-hat from
     its own first pass (no all-reduce: DDP's no_sync); the SAM gradients of the groups are averaged, all-reduced
     once; BatchNorm statistics come from the first passes. m = the whole batch (the default) is one group.
-    GSAM (sam.GSAM): each group's (each replica's) g_p is decomposed against its own g, so the second passes run
+    GSAM (gsam.GSAM): each group's (each replica's) g_p is decomposed against its own g, so the second passes run
     under no_sync too and gsam_gradient() averages the result over the replicas in one all-reduce (big_vision's
     pmean after gsam_gradient)."""
     groups = list(zip(x.split(m), y.split(m))) if args.sam else [(x, y)]

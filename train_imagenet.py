@@ -34,7 +34,8 @@ from loader import collate_bytes, node_workers, on_device, train_transform
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
 from runs import (MACHINE_FLAGS, discard_new_dirs, load_optimizer_state, machine_line, prepare_out, read_checkpoint,
                   save_atomic, written_by)
-from sam import GSAM, SAM, first_pass, second_pass
+from gsam import GSAM
+from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, micro_batch_cap,
                    one_line, score, setup, since_checkpoint, sync_buffers, wrap_ddp)
 
@@ -124,7 +125,7 @@ def get_args(argv=None):
     a('--adaptive', 'ASAM (Kwon et al. 2021)', action=argparse.BooleanOptionalAction)
     a('--sam-m', 'm-sharpness (Foret et al. Sec. 4.1): images per eps-hat, a divisor of the micro-batch; 0: the '
       "process's whole batch, as the JAX code per device (the paper: 4096 images on 64 TPU chips, m = 64)", type=int)
-    a('--gsam-alpha', 'GSAM (Zhuang et al. 2022; sam.GSAM): step along g_p - A g_perp; unset: SAM', type=float)
+    a('--gsam-alpha', 'GSAM (Zhuang et al. 2022; gsam.GSAM): step along g_p - A g_perp; unset: SAM', type=float)
     a('--rho-min', 'GSAM: rho goes with the LR from this (LR 0) to --rho (the peak LR); unset: --rho', type=float)
     a('--amp', 'autocast: auto = bf16 where the GPU has it, else off; fp16 adds a GradScaler',
       choices=['auto', 'bf16', 'fp16', 'off'])
@@ -208,7 +209,7 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
     eps-hat, as the official JAX code), perturbs once, and the second pass accumulates g_SAM, which is clipped.
     sam_m below the process's batch: m-sharpness in groups of sam_m images (each dividing a micro-batch), each
     group its own eps-hat from its own first pass; the groups' g_SAM averaged, all-reduced once (sam.py).
-    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (sam.GSAM). window: a (2,)
+    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (gsam.GSAM). window: a (2,)
     tensor on the device, += (the loss, the surrogate gap f_p - f of SAM/GSAM), read only at the log row."""
     gsam, loss_p = isinstance(optimizer, GSAM), 0.0
     groups = [(xg, yg) for x, y in micro for xg, yg in zip(x.split(sam_m), y.split(sam_m))] if sam and sam_m else []

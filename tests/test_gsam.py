@@ -1,4 +1,4 @@
-"""GSAM (sam.GSAM) against an fp64 transcription of big_vision's gsam_gradient (the official JAX code,
+"""GSAM (gsam.GSAM) against an fp64 transcription of big_vision's gsam_gradient (the official JAX code,
 big_vision/trainers/proj/gsam/gsam.py, written out here from that file with torch.autograd for jax), against
 plain SAM (alpha = 0, rho_min = rho: bit for bit), the base optimizer (rho = 0: bit for bit), a single process with k
 groups (k gloo ranks), GradScaler overflows, a resume, and through train_cifar.py's flags."""
@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sam import GSAM, SAM, first_pass, second_pass
+from gsam import GSAM
+from sam import SAM, first_pass, second_pass
 
 F64 = torch.float64
 
@@ -37,7 +38,7 @@ def _params(model):
 
 
 def _gsam_step(model, opt, groups, micro=1, scaler=None, clip=None, all_reduce=False, plant=None, autocast=None):
-    """One GSAM step as the sam.GSAM docstring's loop: k = len(groups) groups of `micro` micro-batches; every
+    """One GSAM step as the gsam.py docstring's loop: k = len(groups) groups of `micro` micro-batches; every
     backward under DDP's no_sync; plant=(pass, j): an inf in group j's first or second gradient; autocast: a
     context for the forward passes (not the backward, as torch.autocast asks)."""
     k, ctx = len(groups), autocast or contextlib.nullcontext
@@ -381,9 +382,11 @@ def test_state_dict_resume_mid_run_is_bit_identical():
 
 
 def test_closure_form_equals_the_loop():
+    """step(closure, model=...) is the written-out loop bit for bit, BatchNorm's running statistics included (issue
+    45: the second pass ran outside second_pass, so the statistics were updated at w + eps too)."""
     runs = []
     for closure in (False, True):
-        model = _mlp(0)
+        model = _mlp(0, bn=True)
         opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.3, alpha=0.4, lr=0.1, momentum=0.9)
         for step in range(3):
             x, y = _data(step, 8)
@@ -393,12 +396,13 @@ def test_closure_form_equals_the_loop():
                     loss = F.cross_entropy(model(x), y)
                     loss.backward()
                     return loss
-                opt.step(f)
+                opt.step(f, model=model)
                 opt.zero_grad(set_to_none=True)
             else:
                 _gsam_step(model, opt, [(x, y)])
-        runs.append(_params(model))
+        runs.append([*_params(model), *model.buffers()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert int(model[1].num_batches_tracked) == 3  # one clean forward a step
 
 
 # -----------------------------------------------------------------------------
