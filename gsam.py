@@ -162,7 +162,8 @@ class GSAM(SAM):
             super().step()
             return loss
         if self.clean is not None:  # refused, and the step abandoned: w back, the optimizer ready for the next
-            self.restore()
+            with torch.no_grad():
+                self.restore()
             self.clean = self.earlier = None
             self.groups_done = 0
             for name in ('found_inf', 'grad_scale'):  # (scaler.step deletes them only when step() returns)

@@ -166,7 +166,8 @@ def get_args(argv=None):
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     args.workers = node_workers() if args.workers is None else args.workers  # (of this node: loader.node_workers)
     check_ranges(args, POSITIVE, NON_NEGATIVE, {}, stored_in=source if author else None)  # (bounds: utils)
-    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho})
+    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho},
+                 stored_in=source, stored=[k for k in run if f'--{k.replace("_", "-")}' not in loose])  # (R03/J13)
     if loose and not args.sam:
         raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
     if not (args.data or args.synthetic) or (args.synthetic and args.eval_only):  # (FakeData: made-up labels)
@@ -330,9 +331,12 @@ def make_optimizer(args, model, steps):
     base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
         (torch.optim.SGD, dict(momentum=0.9))
     if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # GSAM; rho_t: peak LR .. end LR
-        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=args.lr,
-                    lr_min=lr_at(args.epochs * steps, args.lr, args.sched, args.warmup_steps, args.epochs, steps),
-                    adaptive=args.adaptive, lr=args.lr, **base_kw)
+        lr = lambda s: lr_at(s, args.lr, args.sched, args.warmup_steps, args.epochs, steps)  # noqa: E731
+        peak = 0  # the schedule's real peak (--lr unless the run ends inside its rise): its rise ends where it falls
+        while peak + 1 < args.epochs * steps and lr(peak + 1) >= lr(peak):
+            peak += 1
+        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=lr(peak),
+                    lr_min=lr(args.epochs * steps), adaptive=args.adaptive, lr=args.lr, **base_kw)
     return (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
             else base(groups, lr=args.lr, **base_kw))
 
@@ -404,8 +408,10 @@ def main(argv=None):
                           'raise --epochs, lower --batch-size, or pass --sched linear')  # (S01: onecycle, 1 step)
     last, saved = os.path.join(args.out, 'last.pt'), (args.resume, step) if args.resume else (None, 0)
     info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps, total_steps=total)
+    gsam = (f', GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho if args.rho_min is None else args.rho_min} at LR '
+            f'{optimizer.lr_min:g} .. rho {args.rho} at LR {optimizer.lr_max:g}') if isinstance(optimizer, GSAM) else ''
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
-        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
+        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}{gsam}, out {args.out}')
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     first_bad = torch.full((), NO_STEP, device=device)  # the first step with a non-finite loss, kept on the device
     evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step

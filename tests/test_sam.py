@@ -968,6 +968,27 @@ def test_bad_rho_or_eta_is_refused_at_construction(kw, error, message):
     opt = SAM(list(m.parameters())[:1], torch.optim.SGD, lr=0.1)
     with pytest.raises(error, match=message):
         opt.add_param_group({'params': list(m.parameters())[1:], **kw})
+    assert len(opt.param_groups) == len(opt.base_optimizer.param_groups) == 1  # a refused group is not kept (GL20)
+    opt.add_param_group({'params': list(m.parameters())[1:]})  # the same parameters with valid settings: they join
+    assert len(opt.param_groups) == 2
+
+
+def test_options_tested_for_truth_must_be_bools():
+    """Issue 42 (GL09's kind): zero_grad='no' would zero the gradients, sync='no' would all-reduce."""
+    m = _mlp(0)
+    opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
+    x, y = _data(0, 8)
+    F.cross_entropy(m(x), y).backward()
+    with pytest.raises(TypeError, match="zero_grad must be True or False, got str 'no'"):
+        opt.first_step(zero_grad='no')
+    opt.first_step(zero_grad=True)
+    with pytest.raises(TypeError, match="sync must be True or False, got str 'no'"):
+        with second_pass(m, sync='no'):
+            pass
+    F.cross_entropy(m(x), y).backward()
+    with pytest.raises(TypeError, match='zero_grad must be True or False, got int 1'):
+        opt.second_step(zero_grad=1)
+    opt.second_step(zero_grad=True)  # nothing was done by the refused calls: the step finishes as usual
 
 
 # -----------------------------------------------------------------------------
