@@ -244,7 +244,7 @@ def test_rho_zero_trains_as_the_base_optimizer(base, kw, minimize_fp):
 # -----------------------------------------------------------------------------
 # DDP: 2 gloo ranks, each its own g_p decomposed, then the mean: = one process with the ranks' images as groups
 G_STEPS, G_M = 3, 4
-G_CONFIGS = [('bn', 1), ('mlp', 2)]  # (model, groups per rank)
+G_CONFIGS = [('bn', 1), ('mlp', 2), ('closure', 1)]  # (model, groups per rank); closure: BatchNorm, step(closure)
 G_KW = dict(rho=0.3, rho_min=0.1, alpha=0.4, lr_max=0.2, lr_min=0.0, lr=0.2, momentum=0.9)
 
 
@@ -265,7 +265,7 @@ def _ddp_worker(rank, world, port, out):
         res = []
         for name, g in G_CONFIGS:
             calls.clear()
-            model = _mlp(0, bn=name == 'bn').to(F64)
+            model = _mlp(0, bn=name != 'mlp').to(F64)
             ddp = nn.parallel.DistributedDataParallel(model)
             hooked = []
             ddp.register_comm_hook(None, lambda state, bucket: hooked.append(1) or
@@ -277,7 +277,16 @@ def _ddp_worker(rank, world, port, out):
                     group['lr'] = _g_lr(step)
                 x, y = _data(50 + step, world * per, F64)
                 xr, yr = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-                _gsam_step(ddp, opt, list(zip(xr.split(G_M), yr.split(G_M))), all_reduce=True)
+                if name == 'closure':  # both passes under no_sync, then gsam_gradient's all-reduce (issue 45)
+                    def closure():
+                        opt.zero_grad()
+                        loss = F.cross_entropy(ddp(xr), yr)
+                        loss.backward()
+                        return loss
+                    opt.step(closure, model=ddp)
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    _gsam_step(ddp, opt, list(zip(xr.split(G_M), yr.split(G_M))), all_reduce=True)
             res.append({'final': _params(model), 'allreduces': len(calls), 'ddp_buckets': len(hooked)})
         dist.all_reduce = real
         torch.save(res, os.path.join(out, f'rank{rank}.pt'))
@@ -294,12 +303,13 @@ def _free_port():
 
 def test_ddp_ranks_equal_one_process_with_groups(tmp_path):
     """2 ranks x g groups == 1 process x 2g groups (fp64; BatchNorm with g = 1): each rank decomposes its own
-    g_p, the mean (not the sum) over ranks follows, in ONE all-reduce per step and none by DDP's buckets."""
+    g_p, the mean (not the sum) over ranks follows, in ONE all-reduce per step and none by DDP's buckets; the same
+    through step(closure, model=ddp)."""
     world = 2
     mp.spawn(_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     res = [torch.load(tmp_path / f'rank{r}.pt') for r in range(world)]
     for i, (name, g) in enumerate(G_CONFIGS):
-        model = _mlp(0, bn=name == 'bn').to(F64)
+        model = _mlp(0, bn=name != 'mlp').to(F64)
         opt = GSAM(model.parameters(), torch.optim.SGD, **G_KW)
         for step in range(G_STEPS):
             for group in opt.param_groups:
