@@ -313,8 +313,7 @@ def main(argv=None):
         return leave(proc.ddp)
     steps = len(train_y) // args.batch_size  # the last partial batch is dropped (module docstring)
     augment = make_augment(**{k: getattr(args, k) for k in AUG_FLAGS}, mean=norm[0], std=norm[1], device=device)
-    opt = make_optimizer(args, raw, steps)
-    scaler = torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # (bf16: no scaler)
+    opt, scaler = make_optimizer(args, raw, steps), torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     model = wrap_ddp(raw, proc)
     fwd = torch.compile(model) if args.compile else model

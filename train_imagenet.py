@@ -341,6 +341,11 @@ def make_optimizer(args, model, steps):
             else base(groups, lr=args.lr, **base_kw))
 
 
+def gsam_header(args, optimizer):  # GSAM's settings, and the LR range rho_t follows (rho_min unset: --rho)
+    return (f', GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho if args.rho_min is None else args.rho_min} at LR '
+            f'{optimizer.lr_min:g} .. rho {args.rho} at LR {optimizer.lr_max:g}') if isinstance(optimizer, GSAM) else ''
+
+
 def resume(args, model, optimizer, scaler, steps, log):
     """--resume: weights, optimizer, GradScaler, step, history (the loop re-seeds the RNGs). -> (step, history)"""
     ckpt = read_checkpoint(args.resume, '--resume')
@@ -408,10 +413,8 @@ def main(argv=None):
                           'raise --epochs, lower --batch-size, or pass --sched linear')  # (S01: onecycle, 1 step)
     last, saved = os.path.join(args.out, 'last.pt'), (args.resume, step) if args.resume else (None, 0)
     info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps, total_steps=total)
-    gsam = (f', GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho if args.rho_min is None else args.rho_min} at LR '
-            f'{optimizer.lr_min:g} .. rho {args.rho} at LR {optimizer.lr_max:g}') if isinstance(optimizer, GSAM) else ''
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
-        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}{gsam}, out {args.out}')
+        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}{gsam_header(args, optimizer)}, out {args.out}')
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     first_bad = torch.full((), NO_STEP, device=device)  # the first step with a non-finite loss, kept on the device
     evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step
