@@ -330,13 +330,13 @@ def make_optimizer(args, model, steps):
         groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
     base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
         (torch.optim.SGD, dict(momentum=0.9))
-    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # GSAM; rho_t: peak LR .. end LR
+    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # GSAM; rho_t: lowest .. highest LR
         lr = lambda s: lr_at(s, args.lr, args.sched, args.warmup_steps, args.epochs, steps)  # noqa: E731
-        peak = 0  # the schedule's real peak (--lr unless the run ends inside its rise): its rise ends where it falls
-        while peak + 1 < args.epochs * steps and lr(peak + 1) >= lr(peak):
-            peak += 1
-        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=lr(peak),
-                    lr_min=lr(args.epochs * steps), adaptive=args.adaptive, lr=args.lr, **base_kw)
+        top, s = lr(0), 1  # highest: where the rise ends (--lr unless inside the warm-up); lowest: the end or step 0
+        while s < args.epochs * steps and (nxt := lr(s)) >= top:
+            top, s = nxt, s + 1
+        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=top,
+                    lr_min=min(lr(0), lr(args.epochs * steps)), adaptive=args.adaptive, lr=args.lr, **base_kw)
     return (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
             else base(groups, lr=args.lr, **base_kw))
 

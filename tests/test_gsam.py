@@ -498,6 +498,21 @@ def test_cifar_gsam_rho_t_reaches_rho_at_the_schedules_real_peak(epochs, peak):
     assert opt.radius(opt.param_groups[0]) == pytest.approx(0.1, rel=1e-12)
 
 
+@pytest.mark.parametrize('sched,warmup,peak,low', [('linear', 10, 0.05 * 4 / 10, 0.05 / 10), ('linear', 2, 0.05, 0),
+                                                   ('cosine', 0, 0.05, 0), ('onecycle', 0, 0.05 / 20 * (1 - 1 / 4), 0)])
+def test_imagenet_gsam_rho_t_reaches_rho_at_the_schedules_real_peak(sched, warmup, peak, low):
+    """C26's kind in train_imagenet.py: a run shorter than its warm-up (4 steps of a 10-step warm-up: the LRs are
+    1/10 .. 4/10 of --lr) or locuslab's one cycle at --epochs 1 never reaches --lr; lr_max is the highest LR it does
+    reach and lr_min its lowest (closed forms: the end of the schedule, 0, or the warm-up's first step); --lr where
+    the warm-up ends inside the run. (A 10-step warm-up in 4 steps used to give lr_min = 5/10 of --lr, the LR of a
+    step after the run's end.)"""
+    import train_imagenet
+    args = train_imagenet.get_args(['--synthetic', '--sam', '--rho', '0.1', '--rho-min', '0.02', '--lr', '0.05',
+                                    '--epochs', '1', '--sched', sched, '--warmup-steps', str(warmup)])
+    opt = train_imagenet.make_optimizer(args, nn.Linear(2, 2), 4)
+    assert opt.lr_max == pytest.approx(peak, rel=1e-12) and opt.lr_min == pytest.approx(low, rel=1e-12, abs=0)
+
+
 @pytest.mark.parametrize('script', ['train_cifar', 'train_imagenet'])
 def test_a_stored_rho_min_above_a_new_rho_names_the_file(script, tmp_path):
     """R03 / J13: --resume with a lower --rho than the run's --rho-min: the line says the value came from the run."""
