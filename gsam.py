@@ -44,7 +44,7 @@ class GSAM(SAM):
     products global. adaptive_perturbation=True is big_vision's w + |w| rho_t g/(||g|| + 1e-12) (the norm of g, the
     move |w| g); ASAM (adaptive=True) moves rho T^2 g/||T g||, T = |w| + eta: choose one. rho_t outside [rho_min,
     rho] (an lr below lr_min in a warm-up, or above lr_max) is clamped: big_vision's formula would go on linearly,
-    to a negative radius below lr_min - a step up the loss - where rho_min = 0.
+    below lr_min to a negative radius where rho_min = 0 (w moved down the gradient, the opposite of SAM's ascent).
     """
 
     def __init__(self, params, base_optimizer, rho=0.05, rho_min=None, alpha=0.0, lr_max=None, lr_min=None,

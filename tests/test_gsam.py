@@ -725,7 +725,7 @@ def test_gsams_loop_under_a_gradscaler_is_fp32s_step_and_clipping_bounds_it():
 
 def test_rho_t_stays_in_rho_min_rho():
     """GL12: below lr_min (a warm-up from 0) or above lr_max, big_vision's line leaves [rho_min, rho] (here -0.011 at
-    lr 0: a step up the loss); it is clamped. Oracle: the closed form, and the length of first_step's move."""
+    lr 0: w moved down the gradient); it is clamped. Oracle: the closed form, and the length of first_step's move."""
     x, y = _data(0, 8, F64)
     for lr, want in ((0.0, 0.0), (5e-5, 0.0), (1e-4, 0.0), (5.5e-4, 0.05), (1e-3, 0.1), (2e-3, 0.1)):
         m = _mlp(0).to(F64)
