@@ -1,10 +1,15 @@
 """The command-line rules every script shares, one place each (issue 34): the range of a flag of the same name,
-which flags act only with another, which flags this command line set, and a schedule that would train nothing.
-A broken rule is a utils.UserError: one line, exit 1."""
+which flags act only with another, which flags this command line set, and a schedule that would train nothing;
+and the SAM family's flags (sam.py, gsam.py, looksam.py, msam.py): their rules, the optimizer and the log words
+they make. A broken rule is a utils.UserError: one line, exit 1."""
 import argparse
 import math
 import numbers
 
+from gsam import GSAM
+from looksam import LookSAM
+from msam import MSAM
+from sam import SAM
 from utils import UserError
 
 # The upper bounds of flags that mean the same in every script (check_ranges applies
@@ -26,9 +31,10 @@ def given(parser, argv, *dests):
     return [f'--{d.replace("_", "-")}' for d in dests if getattr(ns, d) is not marker]
 
 
-def check_ranges(args, positive, non_negative, at_most, stored_in=None):
+def check_ranges(args, positive, non_negative, at_most, stored_in=None, stored=()):
     """Every flag named is a finite number, > 0 (positive) or >= 0, and at most at_most[flag] or SHARED_AT_MOST[flag]
-    where given. stored_in: the checkpoint whose stored args filled some flags (a non-number can only come from it)."""
+    where given. stored_in: the checkpoint whose stored args filled some flags (a non-number can only come from it);
+    stored: flags known to come from it, not from this command line (a range error then names the file too)."""
     at_most = {**SHARED_AT_MOST, **at_most}
     for key in positive + non_negative:
         v, most = getattr(args, key), at_most.get(key, math.inf)
@@ -37,7 +43,8 @@ def check_ranges(args, positive, non_negative, at_most, stored_in=None):
                 f' (from the args stored in {stored_in}: a damaged or hand-edited file)' if stored_in else ''))
         if not (math.isfinite(v) and (v > 0 if key in positive else v >= 0) and v <= most):
             raise UserError(f'--{key.replace("_", "-")} must be a finite number {"> 0" if key in positive else ">= 0"}'
-                            + (f' and <= {most}' if key in at_most else '') + f', got {v}')
+                            + (f' and <= {most}' if key in at_most else '') + f', got {v}'
+                            + (f' (from the args stored in {stored_in})' if key in stored else ''))
 
 
 def check_shared_ranges(args, *keys):
@@ -87,3 +94,29 @@ def check_sam_family(args, loose, resumed):
                         '--rho-min: decomposes it anew every step) do not combine: choose one')
     if args.msam and '--rho' not in loose and not resumed:
         args.rho = MSAM_RHO
+
+
+def sam_optimizer(args, params, base, lr_range, **kw):
+    """The optimizer the SAM family's flags ask for around base (an optimizer class; kw its arguments): --msam's
+    MSAM; --sam's GSAM (--gsam-alpha, --rho-min; lr_range() -> the highest and lowest LR of the schedule, which
+    rho_t follows), LookSAM (--look-k > 1) or SAM; else base itself."""
+    if args.msam:  # perturbed along the base's momentum: AdamW's first moment, SGD's buffer
+        return MSAM(params, base, rho=args.rho, **kw)
+    if not args.sam:
+        return base(params, **kw)
+    if args.gsam_alpha is not None or args.rho_min is not None:
+        lr_max, lr_min = lr_range()
+        return GSAM(params, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=lr_max,
+                    lr_min=lr_min, adaptive=args.adaptive, **kw)
+    if args.look_k > 1:
+        return LookSAM(params, base, rho=args.rho, k=args.look_k, alpha=args.look_alpha, adaptive=args.adaptive, **kw)
+    return SAM(params, base, rho=args.rho, adaptive=args.adaptive, **kw)
+
+
+def sam_words(args, opt, sep):
+    """The log header's words on the SAM family beyond SAM's rho (GSAM's with the LR range rho_t follows)."""
+    if isinstance(opt, GSAM):  # (rho_min unset: --rho)
+        return (f'{sep}GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho if args.rho_min is None else args.rho_min} '
+                f'at LR {opt.lr_min:g} .. rho {args.rho} at LR {opt.lr_max:g}')
+    return f'{sep}LookSAM k {args.look_k} alpha {args.look_alpha}' * isinstance(opt, LookSAM) + \
+        f'{sep}MSAM rho {args.rho}' * isinstance(opt, MSAM)

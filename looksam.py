@@ -36,6 +36,7 @@ The loop is sam.py's, a reuse step one pass over the groups as micro-batches, an
     optimizer.look_gradient(all_reduce=distributed)   # refresh: cache g_v; reuse: .grad <- g_hat
     scaler.unscale_(optimizer); clip; scaler.step(optimizer); scaler.update(); zero_grad
 
+or loss = optimizer.step(closure, model=model), the same step (the closure: zero_grad, forward, backward, loss).
 DDP: a refresh is SAM's step (each replica its own eps_hat) and DDP averages g_s; look_gradient(all_reduce=True)
 sums the clean g over the replicas in one all-reduce of a flat buffer (its scale cancels in g_v, as the sum over
 m-sharpness groups does), so every replica caches the same g_v (without it their g_v and weights drift apart). A
@@ -157,16 +158,16 @@ class LookSAM(SAM):
             scale = (self.alpha * norm).to(device, dtype)
             torch._foreach_add_([p.grad for p in ps], torch._foreach_mul([self.g_v[p] for p in ps], scale))
 
-    def step(self, closure=None):
-        """With a closure: the whole step (refresh: two passes, reuse: one), returning the first pass's loss.
-        Without one (what GradScaler.step calls): look_gradient() if not called, then SAM's step (restore, base)."""
+    def step(self, closure=None, model=None):
+        """With a closure and the model: the whole step (refresh: SAM's two passes, in first_pass / second_pass;
+        reuse: one), returning the first pass's loss. Without (what GradScaler.step calls): look_gradient() if it
+        was not called, then SAM's step (w restored, the base step)."""
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
             if self.refresh:
-                self.first_step(zero_grad=True)
+                loss = self.both_passes(closure, model)
+            else:
                 with torch.enable_grad():
-                    closure()
+                    loss = closure()
             self.step()
             return loss
         if not self.looked:

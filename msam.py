@@ -92,9 +92,10 @@ class MSAM(SAM):
             torch._foreach_add_(ps, torch._foreach_mul([self.state[p][self.key] for p in ps], scale))
             self.moved += ps
 
-    def step(self, closure=None):
-        """With a closure: perturb(), the closure's one pass, then the step; returns its loss (at w_tilde). Without
-        one (what GradScaler.step calls): w restored exactly, then the base step (skipped on an fp16 overflow)."""
+    def step(self, closure=None, model=None):
+        """With a closure: perturb(), the closure's one pass, then the step; returns its loss (at w_tilde); model: as
+        SAM's step takes it, not needed here. Without one (what GradScaler.step calls): w restored exactly, then the
+        base step (skipped on an fp16 overflow)."""
         if closure is not None:
             self.perturb()
             with torch.enable_grad():

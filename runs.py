@@ -143,6 +143,16 @@ def restore(ckpt, opt, scaler, args, not_inherited, log):
     return ckpt['epoch'], ckpt['step'], ckpt['history']
 
 
+def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info):
+    """A step-based run (train_imagenet.py): last.pt first, so that if it cannot be written nothing of the run has
+    changed; then metrics.jsonl, args.json. info: vars(args) and more."""
+    save_atomic(Path(out, 'last.pt'), dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                scaler=scaler.state_dict(), epoch=step // steps_per_epoch, step=step, steps_per_epoch=steps_per_epoch,
+                history=history, args=info))
+    save_atomic(Path(out, 'metrics.jsonl'), history)
+    save_atomic(Path(out, 'args.json'), info)
+
+
 def resume_run(args, model, optimizer, scaler, steps, run_keys, log):
     """--resume, step-based (train_imagenet.py): weights, optimizer, GradScaler, step, history (the loop re-seeds the
     RNGs); logs the flags that changed (run_keys: flag -> its default, for a run older than the flag).

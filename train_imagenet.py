@@ -29,13 +29,15 @@ from torchvision.transforms import v2
 
 from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform
-from flags import MSAM_RHO, check_lr_not_all_zero, check_ranges, check_sam_family
+from flags import MSAM_RHO, check_lr_not_all_zero, check_ranges, check_sam_family, sam_optimizer, sam_words
+from gsam import GSAM
 from loader import collate_bytes, node_workers, on_device, train_transform
 from looksam import LookSAM
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
 from msam import MSAM
-from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, resume_run, save_atomic, written_by
-from sam import GSAM, SAM, first_pass, second_pass
+from runs import (MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, resume_run, save_atomic, save_run,
+                  written_by)
+from sam import first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, micro_batch_cap,
                    score, setup, since_checkpoint, sync_buffers, wrap_ddp)
 
@@ -126,7 +128,7 @@ def get_args(argv=None):
     a('--adaptive', 'ASAM (Kwon et al. 2021)', action=argparse.BooleanOptionalAction)
     a('--sam-m', 'm-sharpness (Foret et al. Sec. 4.1): images per eps-hat, a divisor of the micro-batch; 0: the '
       "process's whole batch, as the JAX code per device (the paper: 4096 images on 64 TPU chips, m = 64)", type=int)
-    a('--gsam-alpha', 'GSAM (Zhuang et al. 2022; sam.GSAM): step along g_p - A g_perp; unset: SAM', type=float)
+    a('--gsam-alpha', 'GSAM (Zhuang et al. 2022; gsam.GSAM): step along g_p - A g_perp; unset: SAM', type=float)
     a('--rho-min', 'GSAM: rho goes with the LR from this (LR 0) to --rho (the peak LR); unset: --rho', type=float)
     a('--look-k', "LookSAM (Liu et al. 2022; looksam.py): SAM's 2 passes every K-th step, 1 between; 1: SAM", type=int)
     a('--look-alpha', "LookSAM: the reused g_v's norm, A x ||g||", type=float)
@@ -171,7 +173,8 @@ def get_args(argv=None):
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     args.workers = node_workers() if args.workers is None else args.workers  # (of this node: loader.node_workers)
     check_ranges(args, POSITIVE, NON_NEGATIVE, {}, stored_in=source if author else None)  # (bounds: utils)
-    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho})
+    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho},
+                 stored_in=source, stored=[k for k in run if f'--{k.replace("_", "-")}' not in loose])  # (R03/J13)
     check_sam_family(args, loose, resumed=bool(args.resume))  # (and --msam's own --rho default)
     if not (args.data or args.synthetic) or (args.synthetic and args.eval_only):  # (FakeData: made-up labels)
         raise UserError('--eval-only needs --data DIR: --synthetic has no validation set' if args.synthetic else
@@ -213,7 +216,7 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
     eps-hat, as the official JAX code), perturbs once, and the second pass accumulates g_SAM, which is clipped.
     sam_m below the process's batch: m-sharpness in groups of sam_m images (each dividing a micro-batch), each
     group its own eps-hat from its own first pass; the groups' g_SAM averaged, all-reduced once (sam.py).
-    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (sam.GSAM). LookSAM: the
+    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (gsam.GSAM). LookSAM: the
     two passes on every --look-k-th step (optimizer.refresh), one pass over the groups between (looksam.py); MSAM: one
     pass, at w - rho m/||m|| (msam.py). window: a (3,) tensor on the device, += (the loss, the surrogate gap f_p - f of
     a step with two passes, 1 if it had them), read only at the log row."""
@@ -266,17 +269,8 @@ def lr_at(step, peak, sched, warmup, epochs, steps_per_epoch):  # the LR of opti
 
 
 # -----------------------------------------------------------------------------
-# Output, data, optimizer, resume: the sections of main() that are long. Every file is written atomically
-# (utils.save_atomic): a failed write ends the run and keeps the old file.
-def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info):
-    """last.pt first: if it cannot be written, nothing of the run has changed. info: vars(args) and more."""
-    save_atomic(Path(out, 'last.pt'), dict(model=model.state_dict(), optimizer=optimizer.state_dict(),
-                scaler=scaler.state_dict(), epoch=step // steps_per_epoch, step=step, steps_per_epoch=steps_per_epoch,
-                history=history, args=info))
-    save_atomic(Path(out, 'metrics.jsonl'), history)
-    save_atomic(Path(out, 'args.json'), info)
-
-
+# Data, batch split, optimizer: the sections of main() that are long. The run folder (last.pt, metrics.jsonl, args.json,
+# each written atomically) and --resume: runs.save_run, runs.resume_run.
 def make_data(args, proc, micro=0):
     """(val_loader, num_classes, train loader of micro-batches, its sampler, mixup/cutmix or None); the train parts
     are None with --eval-only. Rank r evaluates images r, r + W, ...: exact, no padding. Workers persist across
@@ -333,23 +327,20 @@ def split_batch(args, world):
 
 
 def make_optimizer(args, model, steps):
-    """AdamW or SGD, SAM-wrapped with --sam; weight decay only on matrices and conv kernels, as timm."""
+    """AdamW or SGD, wrapped as the SAM flags ask; weight decay only on matrices and conv kernels, as timm."""
     groups = [dict(params=[], weight_decay=args.wd), dict(params=[], weight_decay=0.0)]
     for name, p in model.named_parameters():
         groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
     base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
         (torch.optim.SGD, dict(momentum=0.9))
-    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # GSAM; rho_t: peak LR .. end LR
-        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=args.lr,
-                    lr_min=lr_at(args.epochs * steps, args.lr, args.sched, args.warmup_steps, args.epochs, steps),
-                    adaptive=args.adaptive, lr=args.lr, **base_kw)
-    if args.msam:  # perturbed along the base's momentum: AdamW's first moment, SGD's buffer
-        return MSAM(groups, base, rho=args.rho, lr=args.lr, **base_kw)
-    if args.sam and args.look_k > 1:
-        return LookSAM(groups, base, rho=args.rho, k=args.look_k, alpha=args.look_alpha, adaptive=args.adaptive,
-                       lr=args.lr, **base_kw)
-    return (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
-            else base(groups, lr=args.lr, **base_kw))
+    lr = lambda s: lr_at(s, args.lr, args.sched, args.warmup_steps, args.epochs, steps)  # noqa: E731
+
+    def lr_range():  # GSAM's rho_t: highest where the rise ends (--lr unless inside the warm-up); lowest: end or step 0
+        top, s = lr(0), 1
+        while s < args.epochs * steps and (nxt := lr(s)) >= top:
+            top, s = nxt, s + 1
+        return top, min(lr(0), lr(args.epochs * steps))
+    return sam_optimizer(args, groups, base, lr_range, lr=args.lr, **base_kw)  # (flags.py: SAM, GSAM, LookSAM, MSAM)
 
 
 # -----------------------------------------------------------------------------
@@ -396,8 +387,8 @@ def main(argv=None):
     last, saved = os.path.join(args.out, 'last.pt'), (args.resume, step) if args.resume else (None, 0)
     info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps, total_steps=total)
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
-        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}{f", MSAM rho {args.rho}" * args.msam}'
-        f'{f", LookSAM k {args.look_k} alpha {args.look_alpha}" * isinstance(optimizer, LookSAM)}, out {args.out}')
+        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}{sam_words(args, optimizer, ", ")}, '
+        f'out {args.out}')
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     first_bad = torch.full((), NO_STEP, device=device)  # the first step with a non-finite loss, kept on the device
     evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step
