@@ -1,7 +1,8 @@
 """bench.py: this repo's speed beside the code people would otherwise use, as ONE markdown table.
 
 Model rows: a training step (fwd + bwd + AdamW) of our model beside timm's model of the same config,
-same weights, batch and dtype; our SAM step over our base step, GSAM over SAM; peak memory; training FLOPs; on CUDA
+same weights, batch and dtype; our SAM step over our base step, GSAM over SAM, LookSAM (k 5: per step over a cycle)
+and MSAM over the base step with their forward passes per step counted; peak memory; training FLOPs; on CUDA
 the achieved TFLOP/s and MFU. cifar rows: augment.make_augment at train_cifar.py's default recipe beside
 locuslab/convmixer-cifar10's PIL pipeline (one image at a time), both on one core; then its share of a CIFAR step.
 loader rows: train_imagenet.py's input per loader worker core, for each recipe and --decode path, on ImageNet-sized
@@ -13,6 +14,7 @@ JPEGs made here, beside torchvision's ImageFolder + transforms.v2 with the same 
     python bench.py --rows loader      # the ImageNet input rows only
 """
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -44,9 +46,12 @@ from flags import refuse_loose
 from models import channels_last
 from runs import save_atomic
 from gsam import GSAM
+from looksam import LookSAM
+from msam import MSAM
 from sam import SAM, first_pass, second_pass
 from utils import UserError
 
+LOOK_K = 5  # the LookSAM row's k: its paper's and the MSAM paper's comparison's (looksam.py)
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
 # size on CPU, at full size on CUDA). --quick keeps the paper sizes but small batches, and runs
 # ConvMixer-768/32 at 112 px, where one 224 px step takes seconds on a CPU core.
@@ -153,11 +158,29 @@ def make_step(name, side, px, batch, amp, channels_last, device, compile=False, 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == 'bf16')
     kw = dict(lr=1e-4, weight_decay=0.05, foreach=True)  # foreach: the default on CUDA, opt-in on CPU
     opt = (GSAM(module.parameters(), torch.optim.AdamW, alpha=0.4, **kw) if sam == 'gsam' else SAM(module.parameters(),
-           torch.optim.AdamW, rho=0.05, **kw) if sam else torch.optim.AdamW(module.parameters(), **kw))  # (rho 0.05)
+           torch.optim.AdamW, rho=0.05, **kw) if sam is True else LookSAM(module.parameters(), torch.optim.AdamW,
+           k=LOOK_K, **kw) if sam == 'look' else MSAM(module.parameters(), torch.optim.AdamW, **kw) if sam == 'msam'
+           else torch.optim.AdamW(module.parameters(), **kw))  # (rho: SAM's 0.05, MSAM's 3)
     groups = list(zip(x.split(m or batch), y.split(m or batch)))  # m-sharpness: k groups of m images (k = 1: plain SAM)
 
     def step():
-        if sam:  # Foret et al. Algorithm 1 in sam.py's m-sharpness group loop (k = 1: the plain SAM step, bit for bit)
+        if sam in ('look', 'msam'):  # a whole LookSAM cycle (two passes on its first step only: looksam.py's loop), or
+            for _ in range(LOOK_K if sam == 'look' else 1):  # an MSAM step (one pass, at w - rho m/||m||: msam.py's)
+                two = sam == 'look' and opt.refresh
+                if sam == 'msam':
+                    opt.perturb()
+                with first_pass(module) if two else contextlib.nullcontext(), autocast:
+                    loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                if two:
+                    opt.first_step(zero_grad=True)
+                    with second_pass(module), autocast:
+                        loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                if sam == 'look':
+                    opt.look_gradient()
+                opt.second_step(zero_grad=True)
+        elif sam:  # Foret et al. Algorithm 1 in sam.py's m-sharpness group loop (k = 1: the plain SAM step, bitwise)
             for j, (xg, yg) in enumerate(groups):
                 with first_pass(module), autocast:
                     loss = F.cross_entropy(model(xg), yg)
@@ -241,12 +264,18 @@ def bench_model(name, args, compile=False, nhwc=False):
                gflops=train_gflops(lambda: build(name, 'ours', px), px))
     row['sam_m'] = m = args.sam_m if args.sam_m < batch else max(1, batch // 4)  # 32 at 128; small batch: a quarter
     for key, side, sam, m_ in (('ours', 'ours', 0, 0), ('ref', 'timm', 0, 0), ('sam', 'ours', 1, 0),
-                               ('sam_m', 'ours', 1, m), ('gsam', 'ours', 'gsam', 0)):
+                               ('sam_m', 'ours', 1, m), ('gsam', 'ours', 'gsam', 0), ('look', 'ours', 'look', 0),
+                               ('msam', 'ours', 'msam', 0)):
         if compile:  # compiled sides share dynamo's cache: the next would recompile, dynamic in the batch; start clean
             torch._dynamo.reset()
-        step = make_step(name, side, *common, sam if sam == 'gsam' else bool(sam), m_)[0]
-        step()  # first step: AdamW's state, cudnn.benchmark's choice, the compile
-        row[f'{key}_s'] = median_s(step, args.min_run_time)
+        step, module = make_step(name, side, *common, sam if sam in ('gsam', 'look', 'msam') else bool(sam), m_)[:2]
+        steps, passes = LOOK_K if sam == 'look' else 1, []  # optimizer steps in one step() call; forward passes
+        hook = None if compile else module.register_forward_pre_hook(lambda *_: passes.append(1))  # (eager: counted)
+        step()  # first step: AdamW's state, cudnn.benchmark's choice, the compile; its passes counted
+        if hook is not None:
+            row[f'{key}_passes'] = len(passes) / steps
+            hook.remove()
+        row[f'{key}_s'] = median_s(step, args.min_run_time) / steps
         del step
         # a compiled side's CPU RSS would count the compiler; it recompiles on CUDA: not measured
         if key in ('ours', 'ref') and not compile:
@@ -362,7 +391,7 @@ def table(rows, gpu=None, peak_tflops=None, measured=None):
     measured (FLOP/s of a large bf16 matmul in this run) adds the MFU of what this GPU achieves."""
     peak = peak_tflops * 1e12 if peak_tflops else PEAK_BF16.get(gpu)
     head = ['row', 'px', 'batch', 'dtype', 'mode', 'ours img/s', 'ref img/s', 'ours/ref', 'SAM/base', 'SAM m/base',
-            'GSAM/SAM', 'peak MiB ours / ref', 'train GFLOP/img'] + \
+            'GSAM/SAM', f'LookSAM-{LOOK_K}/base', 'MSAM/base', 'peak MiB ours / ref', 'train GFLOP/img'] + \
         ['TFLOP/s ours / ref', 'MFU ours / ref'] * bool(gpu) + ['MFU of measured ours / ref'] * bool(gpu and measured)
     lines = ['| ' + ' | '.join(head + ['reference; notes']) + ' |', '|' + '---|' * (len(head) + 1)]
     for r in rows:
@@ -372,6 +401,8 @@ def table(rows, gpu=None, peak_tflops=None, measured=None):
                  f"{r['sam_s'] / r['ours_s']:.2f}" if 'sam_s' in r else '—',
                  f"{r['sam_m_s'] / r['ours_s']:.2f} (m {r['sam_m']})" if 'sam_m_s' in r else '—',
                  f"{r['gsam_s'] / r['sam_s']:.2f}" if 'gsam_s' in r else '—',
+                 *[f"{r[k + '_s'] / r['ours_s']:.2f}" + (f" ({r[k + '_passes']:g} passes/step)" * (k + '_passes' in r))
+                   if k + '_s' in r else '—' for k in ('look', 'msam')],
                  f"{fmt(r['ours_mib'])} / {fmt(r['ref_mib'])}" if 'ours_mib' in r else '—', fmt(r.get('gflops'))]
         if gpu:
             tflops = [i * r['gflops'] / 1e3 if i and 'gflops' in r else None for i in ips]

@@ -30,6 +30,7 @@ from flags import MSAM_RHO, check_lr_not_all_zero, check_ranges, check_sam_famil
 from gsam import GSAM
 from looksam import LookSAM
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw, zero_head
+from msam import MSAM
 from pgd import pgd
 from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import first_pass, second_pass
@@ -207,7 +208,7 @@ def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
     micro-batches between; look_gradient() caches g_v or adds it (looksam.py). MSAM: one pass at w - rho m/||m||."""
     groups = list(zip(x.split(m), y.split(m))) if args.sam else [(x, y)]
     gsam, two = isinstance(opt, GSAM), args.sam and getattr(opt, 'refresh', True)  # two: SAM's passes this step
-    if args.msam:
+    if isinstance(opt, MSAM):
         opt.perturb()  # w <- w - rho m/||m||: the step's one pass is there
     losses, outs, losses_p = [], [], []
     for j, (xg, yg) in enumerate(groups):

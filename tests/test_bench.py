@@ -107,14 +107,17 @@ def test_table_is_batch_over_the_measured_medians(monkeypatch, capsys):
     assert f'Command: `python bench.py {" ".join(argv)}`' in out
     (table,) = markdown_tables(out)  # ONE table
     model, aug, step = table
-    ours, ref, sam, sam_m, gsam, aug_ours, aug_ref, aug_dev, train = (median for _, median in RecordingTimer.log)
-    assert [threads for threads, _ in RecordingTimer.log] == [2, 2, 2, 2, 2, 1, 1, 2, 2]
+    ours, ref, sam, sam_m, gsam, look, msam, aug_ours, aug_ref, aug_dev, train = (m for _, m in RecordingTimer.log)
+    assert [threads for threads, _ in RecordingTimer.log] == [2, 2, 2, 2, 2, 2, 2, 1, 1, 2, 2]
     assert model['row'] == 'convmixer_256_8' and (model['px'], model['batch'], model['dtype']) == ('8', '4', 'off')
     assert close(model['ours img/s'], 4 / ours) and close(model['ref img/s'], 4 / ref)
     assert close(model['ours/ref'], ref / ours, 2) and close(model['SAM/base'], sam / ours, 2)
     m_ratio, m = re.fullmatch(r'([\d.]+) \(m (\d+)\)', model['SAM m/base']).groups()  # --sam-m 32 >= batch 4: a quarter
     assert close(m_ratio, sam_m / ours, 2) and m == '1'
     assert close(model['GSAM/SAM'], gsam / sam, 2)
+    assert re.fullmatch(r'([\d.]+) \(1\.2 passes/step\)', model['LookSAM-5/base'])  # (a cycle of 5 timed: / 5)
+    assert close(model['LookSAM-5/base'].split()[0], look / 5 / ours, 2)
+    assert close(model['MSAM/base'].split()[0], msam / ours, 2) and model['MSAM/base'].endswith('(1 passes/step)')
     assert model['peak MiB ours / ref'] == '11 / 22'
     assert close(model['train GFLOP/img'], convmixer_train_gflops(256, 8, 5, 2, 8, 10))
     assert aug['row'] == 'cifar augment, 1 core'
@@ -328,7 +331,7 @@ def test_compiled_sides_start_from_a_clean_dynamo_cache(monkeypatch):
     monkeypatch.setattr(bench, 'median_s', lambda fn, *a, **k: fn() or 1.0)
     args = bench.get_args(['--rows', 'convmixer_256_8', '--batch-size', '4', '--img-size', '8', '--device', 'cpu'])
     row = bench.bench_model('convmixer_256_8', args, compile=True)
-    assert events == ['reset', 'compile'] * 5 and row['mode'] == 'compile' and 'sam_m_s' in row and 'gsam_s' in row
+    assert events == ['reset', 'compile'] * 7 and row['mode'] == 'compile' and 'sam_m_s' in row and 'gsam_s' in row
     events.clear()
     bench.bench_model('convmixer_256_8', args, compile=False)
     assert events == []  # eager rows neither compile nor touch the cache

@@ -625,7 +625,7 @@ def test_the_scripts_train_step_is_the_leafs_loop(script, method):
                 groups = list(zip(x.split(n), y.split(n)))
                 _look_step(model, opt, groups) if method == 'looksam' else _msam_step(model, opt, groups)
             elif script == 'train_cifar':
-                args = argparse.Namespace(sam=method == 'looksam', msam=method == 'msam', clip_grad=0.0)
+                args = argparse.Namespace(sam=method == 'looksam', clip_grad=0.0)
                 mod.train_step(model, model, opt, scaler, nn.CrossEntropyLoss(), x, y, m, args,
                                contextlib.nullcontext())
             else:
@@ -633,3 +633,25 @@ def test_the_scripts_train_step_is_the_leafs_loop(script, method):
                                clip_grad=0.0, sam_m=m)
         runs.append(_params(model) + [b.clone() for b in model.buffers()])
     assert _same(*runs)
+
+
+@pytest.mark.parametrize('method', ['look', 'msam'])
+def test_bench_times_the_leafs_loop_and_counts_its_passes(method):
+    """bench.py's LookSAM call is a whole cycle of k = 5 steps of looksam.py's loop, its MSAM call msam.py's step, bit
+    for bit against the loops written here (AdamW as bench builds it); 2 calls make 2 x 6 and 2 x 1 forward passes."""
+    import copy
+    import bench
+    from msam import MSAM
+    from test_msam import _msam_step
+    step, module, opt, x, y = bench.make_step('convmixer_256_8', 'ours', 8, 4, 'off', False, torch.device('cpu'),
+                                              sam=method)
+    twin, kw = copy.deepcopy(module), dict(lr=1e-4, weight_decay=0.05, foreach=True)
+    twin_opt = LookSAM(twin.parameters(), torch.optim.AdamW, k=5, **kw) if method == 'look' else \
+        MSAM(twin.parameters(), torch.optim.AdamW, **kw)
+    passes = []
+    module.register_forward_pre_hook(lambda *_: passes.append(1))
+    for _ in range(2):
+        step()
+        for t in range(5 if method == 'look' else 1):
+            _look_step(twin, twin_opt, [(x, y)]) if method == 'look' else _msam_step(twin, twin_opt, [(x, y)])
+    assert _same(_params(module), _params(twin)) and len(passes) == (12 if method == 'look' else 2)
