@@ -16,7 +16,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from torchvision.transforms import v2
 
 from augment import normalize
-from images import UNREADABLE, load_rgb, reread_reason, unreadable_reason
+from images import UNREADABLE, load_rgb, plain_jpeg, reread_reason, unreadable_reason
 from loader import seeded
 from utils import UserError, epoch_seed, one_line, score
 
@@ -145,7 +145,7 @@ class ImageFolder(torchvision.datasets.ImageFolder):
     """torchvision's, with three changes. An index (i, seed) draws image i's augmentation from its own seed (loader.
     seeded; ResumableSampler gives one per image and epoch), whatever the worker, batch size or resume. An image PIL
     cannot decode comes back blank with label -1 - i (on_device() names the file: a worker's exception arrives inside
-    its traceback). decode='gpu': the workers read the file's bytes only (for loader.decode_batch)."""
+    its traceback). decode='gpu': the workers read the file's bytes and its header only (for loader.decode_batch)."""
 
     def __init__(self, root, split, transform, img_size, decode='cpu'):
         try:
@@ -156,8 +156,12 @@ class ImageFolder(torchvision.datasets.ImageFolder):
 
     def __getitem__(self, index):
         index, seed = index if isinstance(index, tuple) else (index, None)
-        if self.decode == 'gpu':  # (the file's bytes, label, the seed of its draws or -1, index): collate_bytes
-            return Path(self.samples[index][0]).read_bytes(), self.targets[index], -1 if seed is None else seed, index
+        if self.decode == 'gpu':  # (the file's bytes, label, the seed of its draws or -1, index, plain JPEG or not)
+            try:  # for loader.collate_bytes; a file PIL refuses from its header on (or unreadable): as below
+                data = Path(self.samples[index][0]).read_bytes()
+                return data, self.targets[index], -1 if seed is None else seed, index, plain_jpeg(data)
+            except UNREADABLE:
+                return b'', -1 - index, -1, index, False
         try:
             with seeded(seed):
                 return super().__getitem__(index)

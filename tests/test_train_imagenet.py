@@ -806,6 +806,12 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
         'decompression-bomb limit']),
     'H13-bomb-in-a-worker': (BASE + ['--data', '{bad}/bomb', '--batch-size', 67, '--workers', 1],
                              ['cannot decode the image {bad}/bomb/train/cat/zz_bomb.png (it has more than']),
+    # issue 42: --decode gpu refuses what --decode cpu refuses, in the same words (its workers read the header)
+    'H12-bomb-decode-gpu': (BASE + ['--data', '{bad}/bomb', '--batch-size', 67, '--decode', 'gpu'], [
+        "cannot decode the image {bad}/bomb/train/cat/zz_bomb.png (it has more than 178,956,970 pixels, PIL's "
+        'decompression-bomb limit']),
+    'corrupt-image-decode-gpu': (BASE + ['--data', '{bad}/corrupt', '--workers', 1, '--decode', 'gpu'],
+                                 ['cannot decode the image {bad}/corrupt/train/dog/', '(corrupt or truncated)']),
     'seed-over-64-bits': (BASE + ['--seed', 2 ** 64],
                           ['--seed must be a finite number >= 0 and <= 9223372036854775807']),
 }
