@@ -84,29 +84,36 @@ def discard_new_dirs():
 def save_atomic(path, obj):
     """obj into PATH.tmp, then os.replace: a reader sees the old file or the new one. obj: for .pt what torch.save
     takes; .jsonl a list of rows; .json a dict; else a function that writes into the open binary file (np.save,
-    fig.savefig). A failed write (a full disk) removes PATH.tmp, keeps the previous PATH, is a UserError."""
+    fig.savefig). A failed write (a full disk), or a value JSON cannot hold (NaN, inf), removes PATH.tmp, keeps the
+    previous PATH, is a UserError; whatever else ends it (Ctrl-C, a writer's bug) removes PATH.tmp too."""
     path = Path(path)
     tmp = path.with_name(path.name + '.tmp')
+    kept = f'the previous {path.name} is intact' if path.exists() else 'nothing was saved there'
+    try:
+        data = None if callable(obj) else encode(path, obj)
+    except ValueError:  # json's allow_nan=False: a metric of NaN or inf (computed from nothing, or diverged)
+        raise UserError(f'could not write {path}: it holds NaN or inf, which JSON has no number for; {kept}') from None
     try:
         with open(tmp, 'wb') as f:
-            if callable(obj):
-                obj(f)
-            elif path.suffix == '.pt':  # serialised in memory first: a full disk is then f.write's OSError (ENOSPC)
-                buf = io.BytesIO()  # (torch.save into a file reports it as its zip writer's RuntimeError)
-                torch.save(obj, buf)
-                f.write(buf.getbuffer())
-            elif path.suffix == '.jsonl':
-                f.write(''.join(json.dumps(r, allow_nan=False) + '\n' for r in obj).encode())
-            else:
-                f.write((json.dumps(obj, indent=1, allow_nan=False) + '\n').encode())
+            obj(f) if data is None else f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
-        kept = f'the previous {path.name} is intact' if path.exists() else 'nothing was saved there'
-        raise UserError(f'could not write {path}: {getattr(e, "strerror", None) or one_line(e)}; {kept}')
+        raise UserError(f'could not write {path}: {getattr(e, "strerror", None) or one_line(e)}; {kept}') from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def encode(path, obj):
+    """The bytes save_atomic writes for obj into path (.pt: torch.save; .jsonl: a row a line; else JSON)."""
+    if path.suffix == '.pt':  # serialised in memory first: a full disk is then f.write's OSError (ENOSPC)
+        buf = io.BytesIO()  # (torch.save into a file reports it as its zip writer's RuntimeError)
+        torch.save(obj, buf)
+        return buf.getbuffer()
+    if path.suffix == '.jsonl':
+        return ''.join(json.dumps(r, allow_nan=False) + '\n' for r in obj).encode()
+    return (json.dumps(obj, indent=1, allow_nan=False) + '\n').encode()
 
 
 # Flags that describe the machine, not the experiment: on --resume they come from this command line (given, or their

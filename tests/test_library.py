@@ -256,6 +256,35 @@ def test_a_full_disk_is_named_as_such_and_keeps_the_last_checkpoint(tmp_path):
     assert torch.equal(torch.load(tmp_path / 'last.pt')['w'], torch.ones(3))
 
 
+@pytest.mark.parametrize('failure', ['disk full', 'writer error', 'not finite', 'ctrl-c'])
+def test_a_failed_save_leaves_the_previous_file_whole_and_no_tmp_behind(failure, tmp_path):
+    """Issue 42, mutant 8: however a write ends (ENOSPC, a writer's OSError mid-file, a NaN metric, Ctrl-C), the
+    folder holds what it held before, byte for byte, and no PATH.tmp (a leftover blocks nothing, but fills a disk
+    and reads as a half-written checkpoint); a failure is one line naming the file. Oracle: the folder before."""
+    import errno
+    import os
+    import runs
+
+    def half_then(error):  # a writer (np.save, fig.savefig) that writes a little, then fails
+        def write(f):
+            f.write(b'half a file')
+            raise error
+        return write
+    name, obj = {'disk full': ('last.pt', {'w': torch.zeros(10_000)}),
+                 'writer error': ('x.npy', half_then(OSError(errno.EIO, os.strerror(errno.EIO)))),
+                 'not finite': ('metrics.jsonl', [{'step': 1, 'loss': float('nan')}]),
+                 'ctrl-c': ('fig.png', half_then(KeyboardInterrupt()))}[failure]
+    (tmp_path / name).write_bytes(b'the previous file')
+    if failure == 'disk full':
+        (tmp_path / f'{name}.tmp').symlink_to('/dev/full')  # every write to it fails with ENOSPC
+    with pytest.raises(KeyboardInterrupt if failure == 'ctrl-c' else runs.UserError) as e:
+        runs.save_atomic(tmp_path / name, obj)
+    assert os.listdir(tmp_path) == [name] and (tmp_path / name).read_bytes() == b'the previous file'
+    if failure != 'ctrl-c':
+        assert str(e.value).startswith(f'could not write {tmp_path / name}: ') and '\n' not in str(e.value)
+        assert str(e.value).endswith(f'the previous {name} is intact')
+
+
 def test_a_split_root_given_as_an_image_folder_is_named_not_read_as_two_classes(cifar10_dir):
     """An ImageNet checkpoint with a CIFAR root (DIR/{train,test}/<class>) read 'train' and 'test' as 2 classes."""
     import data
