@@ -134,16 +134,17 @@ def machine_line(args, saved, log):
 def restore(ckpt, opt, scaler, args, not_inherited, log):
     """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags (not_inherited: flags never
     taken from the run, MACHINE_FLAGS among them; machine_line names those). -> (epoch, step, history)"""
+    changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
+               if k in args.saved_args and k not in not_inherited and args.saved_args[k] != v]
     try:
         load_optimizer_state(opt, ckpt['optimizer'])
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})')
+    except (ValueError, KeyError, RuntimeError) as e:  # another set of trained parameters: name the flags that moved
+        raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})' + (
+            f'; changed since the run: {", ".join(changed)}: pass the run\'s values' if changed else '')) from None
     if ckpt['scaler'] and scaler.is_enabled():
         scaler.load_state_dict(ckpt['scaler'])
     if ckpt['epoch'] >= args.epochs:
         raise UserError(f"{args.resume} has trained all {ckpt['epoch']} epochs; pass --epochs N > {ckpt['epoch']}")
-    changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
-               if k in args.saved_args and k not in not_inherited and args.saved_args[k] != v]
     log(f"resumed {args.resume} at epoch {ckpt['epoch']}, step {ckpt['step']}; "
         f"changed: {', '.join(changed) or 'nothing'}")
     machine_line(args, args.saved_args, log)

@@ -285,6 +285,22 @@ def test_a_failed_save_leaves_the_previous_file_whole_and_no_tmp_behind(failure,
         assert str(e.value).endswith(f'the previous {name} is intact')
 
 
+def test_a_resume_whose_optimizer_state_does_not_fit_names_the_flags_that_changed():
+    """U03/U04 of bad-inputs-3: a flag that changes which parameters train (train_contrastive.py's
+    --no-freeze-patch-embed) made torch's "parameter group that doesn't match the size" the whole message."""
+    import argparse
+    import runs
+    net = torch.nn.Linear(2, 2)
+    saved = torch.optim.AdamW(net.parameters()).state_dict()  # the run trained weight and bias
+    args = argparse.Namespace(resume='r/last.pt', freeze_bias=True, lr=0.1, epochs=3,
+                              saved_args=dict(freeze_bias=False, lr=0.1))
+    ckpt = dict(optimizer=saved, scaler={}, epoch=1, step=1, history=[])
+    with pytest.raises(runs.UserError, match=r"^--resume r/last.pt: its optimizer state does not fit \(.*\); changed "
+                                             r"since the run: --freeze-bias False -> True: pass the run's values$"):
+        runs.restore(ckpt, torch.optim.AdamW([net.weight]), torch.amp.GradScaler('cpu', enabled=False), args, (),
+                     print)
+
+
 def test_a_split_root_given_as_an_image_folder_is_named_not_read_as_two_classes(cifar10_dir):
     """An ImageNet checkpoint with a CIFAR root (DIR/{train,test}/<class>) read 'train' and 'test' as 2 classes."""
     import data

@@ -780,14 +780,17 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
                                  ['--overwrite or --pretrained would start a new run']),
     'resume-other-batch': (RESUME + ['--batch-size', 40],
                            ['--batch-size 20 and 10 steps per epoch, this one 40 and 5']),
-    'resume-other-width': (RESUME + ['--model-kw', 'depth=2', 'dim=32', 'heads=2'],
-                           ['size mismatch for cls_token', 'torch.Size([1, 1, 64])', 'torch.Size([1, 1, 32])']),
+    'resume-other-width': (RESUME + ['--model-kw', 'depth=2', 'dim=32', 'heads=2'],  # (issue 42: short, the flags)
+                           ['--resume {out}/last.pt does not fit this run: ', 'of another shape (cls_token [1, 1, 64], '
+                            'here [1, 1, 32]); its run had --model vit_ti16 --model-kw depth=2 dim=64 heads=2']),
     'eval-without-checkpoint': (EVAL, ['--eval-only evaluates --checkpoint PATH']),
     'checkpoint-without-eval': (BASE + ['--checkpoint', '{out}/last.pt'], ['--checkpoint is for --eval-only']),
     'eval-other-width': (EVAL + ['--checkpoint', '{out}/last.pt', '--model-kw', 'depth=2', 'dim=32', 'heads=2'],
-                         ['size mismatch for cls_token', 'torch.Size([1, 1, 64])', 'torch.Size([1, 1, 32])']),
+                         ['of another shape (cls_token [1, 1, 64], here [1, 1, 32]); its run had --model vit_ti16 '
+                          '--model-kw depth=2 dim=64 heads=2']),
     'eval-head-for-1000-classes': (EVAL + ['--checkpoint', '{bad}/in1k.pth'] + TINY_VIT,
-                                   ['does not fit this --model', 'size mismatch for head.weight', '[1000, 64]']),
+                                   ['does not fit this --model', '2 of another shape (head.weight [1000, 64], here '
+                                    '[10, 64])']),
     'eval-malformed-npz': (EVAL + ['--checkpoint', '{bad}/malformed.npz'] + TINY_VIT,
                            ['cannot read {bad}/malformed.npz', "'embedding/kernel'"]),
     # issue 34
