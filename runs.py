@@ -45,8 +45,8 @@ NEW_DIRS, LOCKS = [], {}  # folders this process created (removed if a bad input
 
 
 def prepare_out(args, lock=True):
-    """Refuse to touch another run, and fail now, not at the first save, if --out cannot be written. lock: hold
-    OUT/.lock (flock: released when the process ends, however it ends) so that a second run into OUT is refused."""
+    """A training script's --out: refuse to touch another run (unless --overwrite, or --resume of its last.pt), then
+    lock_out. args: out, overwrite, resume."""
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f'--out {out} is a file, not a folder')
@@ -54,8 +54,21 @@ def prepare_out(args, lock=True):
     if held and not args.overwrite and not (args.resume and Path(args.resume).resolve().parent == out.resolve()):
         raise UserError(f'--out {out} already holds a run ({", ".join(held)}); use --resume {out / "last.pt"}, '
                         'or pick another --out, or pass --overwrite')
+    return lock_out(out, lock)  # (with --overwrite the old files stay whole until the new run's first save)
+
+
+def lock_out(out, lock=True):
+    """The --out folder of any script, taken before any work: refused if it is a file; made if absent (and removed
+    again, with the parents made for it, by discard_new_dirs if the run ends at a bad input); checked writable now,
+    not at the first save; and, lock (under torchrun: rank 0's), OUT/.lock held (flock: released when the process
+    ends, however it ends), so that a second run into OUT is refused in one line while this one lives. The one lock
+    of the repo: every script that writes into an --out folder calls this (the training scripts via prepare_out).
+    -> Path(out)"""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f'--out {out} is a file, not a folder')
     try:
-        NEW_DIRS.extend([] if out.exists() else [out])
+        NEW_DIRS.extend(reversed([d for d in (out, *out.parents) if not d.exists()]))  # (outermost first)
         out.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
         if lock and out.resolve() not in LOCKS:  # (this process may run again into it: a resume, in-process)
@@ -70,12 +83,13 @@ def prepare_out(args, lock=True):
         raise UserError(f'--out {out} is in use by another run now (it holds {out / ".lock"}); pick another --out')
     except OSError as e:
         raise UserError(f'--out {out} is not writable: {e.strerror or e}')
-    return out  # (with --overwrite the old files stay whole until the new run's first epoch replaces them)
+    return out
 
 
 def discard_new_dirs():
-    """After a bad input: remove the folders this process created, if nothing but its lock is in them."""
-    for d in NEW_DIRS:
+    """After a bad input: remove the folders this process created (deepest first), if nothing but its lock is in
+    them."""
+    for d in reversed(NEW_DIRS):
         if d.is_dir() and {p.name for p in d.iterdir()} <= {'.lock'}:
             (d / '.lock').unlink(missing_ok=True)
             d.rmdir()

@@ -2,6 +2,7 @@
 budgets, and the library's own behaviour: one build_model for every model name of every script, one
 load_weights for every checkpoint format, against torchvision / timm-keyed models and the source model's logits."""
 import ast
+import os
 import subprocess
 import sys
 
@@ -224,6 +225,124 @@ def test_a_second_run_into_one_out_is_refused_until_the_first_ends(tmp_path):
     runs.LOCKS.pop((tmp_path / 'same').resolve()).close()
 
 
+# Every script with an --out folder, parsed from its -h (and each subcommand's): the argv of a tiny run of it (DATA: a
+# CIFAR image folder of 15 + 15 images a class, IMAGENET: its ImageNet layout, CKPT: a tiny train_cifar.py last.pt,
+# CIFAR: the suite's CIFAR-10 extract). A script or subcommand with an --out
+# and no entry here fails the test below: add one.
+TINY_RUNS = {
+    'train_cifar': ['--data', '{DATA}', '--epochs', 1, '--batch-size', 10, '--model-kw', 'dim=8', 'depth=1',
+                    '--log-every', 0],
+    'train_imagenet': ['--data', '{IMAGENET}', '--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=16', 'heads=2',
+                       '--img-size', 32, '--batch-size', 4, '--epochs', 1, '--workers', 0, '--log-every', 0],
+    'train_contrastive': ['--data', '{DATA}', '--model', 'vit_ti16', '--model-kw', 'dim=16', 'depth=1', 'heads=2',
+                          'patch_size=8', '--proj-hidden', 16, '--proj-dim', 8, '--batch-size', 10, '--epochs', 1,
+                          '--warmup-epochs', 0, '--log-every', 0],
+    **{f'geometry {sub}': [sub, '--data', '{DATA}', '--images', 4, '--model', 'convmixer_256_8', '--model-kw', 'dim=8',
+                           'depth=1'] for sub in ('hessian', 'ntk', 'landscape', 'flatness', 'neurons')},
+    'geometry attention': ['attention', '--data', '{DATA}', '--images', 2, '--model', 'vit_ti16', '--model-kw',
+                           'dim=16', 'depth=1', 'heads=2', 'patch_size=8'],
+    'geometry table1': ['table1', '--data', '{CIFAR}', '--train-subset', 256, '--hessian-n', 4, '--ntk-n', 4,
+                        '--corruption-n', 0],
+    'robustness': ['--benchmark', 'corrupt', '--data', '{DATA}', '--checkpoint', '{CKPT}', '--subset', 10,
+                   '--corruptions', 'gaussian_noise', '--no-plot', '--workers', 0],
+    'gpu_check': ['--data', '{DATA}', '--dry-run', '--parts', 'versions'],
+}
+
+
+class WentOn(BaseException):  # a second run that went past where its lock should have stopped it (no script catches it)
+    pass
+
+
+def run_in_process(script, argv, capsys):
+    """script's __main__ block in this process (as `python script.py argv`) -> (exit code or message, output)."""
+    import runpy
+    sys.argv, old = [f'{script}.py'] + [str(a) for a in argv], sys.argv
+    try:
+        runpy.run_path(str(REPO / f'{script}.py'), run_name='__main__')
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = old
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def scripts_with_out(capsys):
+    """{'script' or 'script subcommand': the -h text} of every root file whose -h (or a subcommand's) has --out DIR."""
+    import re
+    found = {}
+    for path in sorted(REPO.glob('*.py')):
+        if "__name__ == '__main__'" not in path.read_text():
+            continue
+        _, text = run_in_process(path.stem, ['-h'], capsys)
+        subs = re.findall(r'^ {4}(\w+)(?: |$)', text.partition('positional arguments:')[2].partition('options:')[0], re.M)
+        for sub, help_text in ([(s, run_in_process(path.stem, [s, '-h'], capsys)[1]) for s in subs] or [('', text)]):
+            if re.search(r'--out DIR', help_text):
+                found[f'{path.stem} {sub}'.strip()] = help_text
+    return found
+
+
+@pytest.fixture(scope='module')
+def tiny_data(cifar10_dir, tmp_path_factory):
+    """15 train + 15 test images a class of the CIFAR-10 copy (the fewest every script takes): DATA (train/, test/),
+    IMAGENET (train/, val/), and CKPT, a train_cifar.py last.pt of a ConvMixer of width 8, depth 1."""
+    import shutil
+    root = tmp_path_factory.mktemp('tiny')
+    for split, dst in (('train', 'DATA/train'), ('test', 'DATA/test'), ('train', 'IMAGENET/train'),
+                       ('test', 'IMAGENET/val')):
+        for c in sorted((cifar10_dir / split).iterdir()):
+            (root / dst / c.name).mkdir(parents=True)
+            for f in sorted(c.iterdir())[:15]:
+                shutil.copy(f, root / dst / c.name / (f.stem + ('.JPEG' if 'IMAGENET' in dst else f.suffix)))
+    net = models.build_model('convmixer_256_8', 10, 32, {'dim': 8, 'depth': 1}, cifar=True)
+    torch.save(dict(model=net.state_dict(), optimizer={}, scaler={}, epoch=1, step=1, history=[], args=dict(
+        model='convmixer_256_8', model_kw=['dim=8', 'depth=1'], dataset='cifar10', img_size=32)), root / 'last.pt')
+    return {'DATA': root / 'DATA', 'IMAGENET': root / 'IMAGENET', 'CKPT': root / 'last.pt', 'CIFAR': cifar10_dir}
+
+
+def test_every_script_with_an_out_folder_has_a_tiny_run_in_this_test(capsys):
+    assert set(scripts_with_out(capsys)) == set(TINY_RUNS)
+
+
+@pytest.mark.parametrize('name', sorted(TINY_RUNS))
+def test_a_second_run_into_the_out_of_a_running_one_is_refused_in_one_line(name, tiny_data, tmp_path, capsys,
+                                                                          monkeypatch, one_thread):
+    """Issue 42 (K14, K15: two robustness runs into one --out both said done, one result lost; geometry the same):
+    every script that writes an --out folder takes runs.lock_out's lock before any work, so a second run while the
+    first lives is refused in one line naming the folder. The first run here is this test holding OUT/.lock as a
+    running script holds it (flock); the second stops at its first subprocess, file write or 60 s if it went on."""
+    import fcntl
+    import signal
+    import subprocess
+    import runs
+    out = tmp_path / 'out'
+    out.mkdir()
+    held = open(out / '.lock', 'a')
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def went_on(*args, **kwargs):
+        raise WentOn
+    monkeypatch.setattr(subprocess.Popen, '__init__', went_on)
+    monkeypatch.setattr(runs, 'save_atomic', went_on)
+    old = signal.signal(signal.SIGALRM, went_on)
+    signal.setitimer(signal.ITIMER_REAL, 60)
+    script, argv = name.split()[0], [str(a).format(**tiny_data) for a in TINY_RUNS[name]]
+    try:
+        code, text = run_in_process(script, [*argv, '--out', out], capsys)
+    except WentOn:
+        code, text = None, capsys.readouterr().out
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        runs.NEW_DIRS.clear()
+        held.close()
+    assert isinstance(code, str) and '\n' not in code, f'{name} was not refused: {code!r}, {text[-500:]}'
+    assert code == f'{script}.py: error: --out {out} is in use by another run now (it holds {out / ".lock"}); ' \
+                   'pick another --out'
+    assert os.listdir(out) == ['.lock']
+
+
 def test_a_folder_made_for_a_run_that_failed_at_once_is_removed_again(tmp_path):
     import argparse
     import runs
@@ -233,7 +352,7 @@ def test_a_folder_made_for_a_run_that_failed_at_once_is_removed_again(tmp_path):
     runs.NEW_DIRS.append(tmp_path / 'kept')  # not empty: left alone
     runs.LOCKS.pop((tmp_path / 'new' / 'out').resolve()).close()
     runs.discard_new_dirs()
-    assert not (tmp_path / 'new' / 'out').exists() and (tmp_path / 'kept' / 'x').exists()
+    assert not (tmp_path / 'new').exists() and (tmp_path / 'kept' / 'x').exists()  # (new/ was made for out/ too)
     runs.NEW_DIRS.clear()
 
 
