@@ -28,11 +28,17 @@ MEAN = {'cifar10': (0.4914, 0.4822, 0.4465), 'cifar100': (0.5071, 0.4865, 0.4409
 STD = {'cifar10': (0.2471, 0.2435, 0.2616), 'cifar100': (0.2673, 0.2564, 0.2762)}
 
 
-def load_cifar(root, dataset, train, subset=0, classes=None, classes_flag=None):
+def load_cifar(root, dataset, train, subset=0, classes=None, classes_flag=None, subset_flag=None):
     """uint8 images (N, 3, 32, 32), int64 labels (N,): from an image folder root/{train,test}/<class>/*, else
     from torchvision's CIFAR folder in root (downloaded when absent). subset: the first subset/C per class.
-    classes: only these, relabelled 0..k-1 in this order. classes_flag: the caller's flag that picks them, if any."""
+    classes: only these, relabelled 0..k-1 in this order. classes_flag: the caller's flag that picks them, if any.
+    subset_flag: the caller's flag that sets subset, for a classifier's data (train_cifar.py): a subset that leaves
+    a class without an image is refused (a class never trained on, or a test of some classes only)."""
     root, num_classes, split = Path(root), NUM_CLASSES[dataset], 'train' if train else 'test'
+    k = len(classes) if classes else num_classes
+    if subset_flag and 0 < subset < k:
+        raise UserError(f'{subset_flag} {subset} leaves {k - subset} of the {k} classes without an image (a class-'
+                        f'balanced subset takes subset/{k} of each): pass 0 (all) or {k} or more')
     if not ((root / 'train').is_dir() and (root / 'test').is_dir()):
         cls = {'cifar10': torchvision.datasets.CIFAR10, 'cifar100': torchvision.datasets.CIFAR100}[dataset]
         new = not root.exists()

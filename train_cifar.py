@@ -181,8 +181,8 @@ def load_data(args, proc):
     """The CIFAR images on the device as uint8: (train_x, train_y) (None with --eval-only), (test_x, test_y).
     Under torchrun rank 0 reads (and downloads, if needed) first."""
     with rank_zero_first(proc):
-        read = lambda train, n: [t.to(proc.device) for t in load_cifar(args.data, args.dataset, train, n, args.classes,
-                                                                         classes_flag='--classes')]
+        read = lambda train, n: [t.to(proc.device) for t in load_cifar(
+            args.data, args.dataset, train, n, args.classes, '--classes', '--train-subset' if train else '--test-subset')]
         test = read(False, args.test_subset)
         train = (None, None) if args.eval_only else read(True, args.train_subset)
     if not args.eval_only and len(train[1]) < args.batch_size:

@@ -420,6 +420,23 @@ def test_a_resume_whose_optimizer_state_does_not_fit_names_the_flags_that_change
                      print)
 
 
+@pytest.mark.parametrize('flag', ['--train-subset', '--test-subset'])
+def test_a_subset_that_leaves_a_class_without_an_image_is_refused(flag, cifar10_dir, tmp_path):
+    """Issue 42, data that cannot train a classifier: train_cifar.py --train-subset 7 trained a 10-class model on 7
+    classes (3 never seen, only pushed down) and said done; --test-subset 7 scored 7 classes as "test acc". Oracle:
+    balanced_subset's own quota, n // 10 (+1 for the first n % 10) of each class: 0 for 3 classes."""
+    import data
+    import train_cifar as tc
+    labels = data.load_cifar(cifar10_dir, 'cifar10', flag == '--train-subset', 7)[1]
+    assert len(set(labels.tolist())) == 7  # (what the library gives when no flag asks for every class)
+    with pytest.raises(data.UserError, match=f'^{flag} 7 leaves 3 of the 10 classes without an image .*: pass 0 '
+                                             r'\(all\) or 10 or more$'):
+        tc.main(['--data', str(cifar10_dir), '--train-subset', '10', '--test-subset', '10', flag, '7', '--epochs', '1',
+                 '--batch-size', '1', '--model-kw', 'dim=8', 'depth=1', '--log-every', '0', '--out', str(tmp_path / 'r')])
+    with pytest.raises(data.UserError, match=f'^{flag} 1 leaves 1 of the 2 classes'):  # --classes: k of them
+        data.load_cifar(cifar10_dir, 'cifar10', True, 1, [3, 5], '--classes', flag)
+
+
 def test_a_split_root_given_as_an_image_folder_is_named_not_read_as_two_classes(cifar10_dir):
     """An ImageNet checkpoint with a CIFAR root (DIR/{train,test}/<class>) read 'train' and 'test' as 2 classes."""
     import data

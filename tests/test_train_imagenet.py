@@ -686,6 +686,8 @@ def bad_data(tiny_imagenet, tmp_path_factory):
     Image.new('RGB', (8, 8)).save(root / 'unflat' / 'val' / 'ILSVRC2012_val_00000001.JPEG')
     for name in ('empty_class', 'renamed', 'corrupt', 'truncated', 'bomb'):
         shutil.copytree(tiny_imagenet, root / name)
+    for split in ('train', 'val'):  # one class: a classifier of one output learns nothing (loss 0, accuracy 100%)
+        shutil.copytree(tiny_imagenet / split / 'cat', root / 'one_class' / split / 'cat')
     write_bomb_png(root / 'bomb' / 'train' / 'cat' / 'zz_bomb.png')  # 201 training images: 3 batches of 67
     for f in (root / 'empty_class' / 'train' / 'cat').iterdir():
         f.unlink()
@@ -815,6 +817,8 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
         'decompression-bomb limit']),
     'corrupt-image-decode-gpu': (BASE + ['--data', '{bad}/corrupt', '--workers', 1, '--decode', 'gpu'],
                                  ['cannot decode the image {bad}/corrupt/train/dog/', '(corrupt or truncated)']),
+    'one-class': (BASE + ['--data', '{bad}/one_class'],
+                  ['--data {bad}/one_class holds 1 class folder (cat): a classifier needs 2 or more']),
     'seed-over-64-bits': (BASE + ['--seed', 2 ** 64],
                           ['--seed must be a finite number >= 0 and <= 9223372036854775807']),
 }
