@@ -69,10 +69,7 @@ def load_cifar(root, dataset, train, subset=0, classes=None, classes_flag=None, 
     keep = balanced_subset(labels, subset, classes or num_classes)
     x = []
     for path, _ in (ds.samples[i] for i in keep):  # ~30 us per 32x32 image
-        try:
-            x.append(np.asarray(load_rgb(path)))  # PIL, as RGB
-        except UNREADABLE as e:  # unreadable, truncated, a broken PNG, a decompression bomb, 32-bit pixels
-            raise UserError(f'cannot decode {path}: {unreadable_reason(e)}')
+        x.append(np.asarray(read_image(path)))  # PIL, as RGB
         if x[-1].shape != (32, 32, 3):
             raise UserError(f'{path} is {x[-1].shape[1]}x{x[-1].shape[0]} px; CIFAR images are 32x32')
     return torch.from_numpy(np.stack(x)).permute(0, 3, 1, 2).contiguous(), relabel(labels[keep], classes)
@@ -118,16 +115,21 @@ def measurement_images(root, dataset, train, n, img_size, norm='jax', classes=No
             raise UserError(f'{folder} is not a folder; {LAYOUT}')
         ds = torchvision.datasets.ImageFolder(folder, eval_transform(img_size, crop_pct, interp, norm), loader=load_rgb)
         pick = torch.linspace(0, len(ds) - 1, min(n, len(ds))).long()  # only this process's images are read
-        try:
-            x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1]))
-                                          for i in pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]]))
-        except UNREADABLE as e:
-            raise UserError(f'cannot decode an image of {folder}: {unreadable_reason(e)}')
+        x, y = map(torch.stack, zip(*[(ds.transform(read_image(ds.samples[i][0])), torch.tensor(ds.targets[i]))
+                                      for i in pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]]))
         return x, y, (x - x.min()) / (x.max() - x.min()), len(pick)  # the network's input, for the figures
     u8, y = load_cifar(root, dataset, train, n, classes)
     part = slice(len(y) * rank // world, len(y) * (rank + 1) // world)
     stats = [torch.tensor(v[dataset]).view(1, 3, 1, 1) for v in (MEAN, STD)]
     return resize(normalize(u8[part], *stats), img_size), y[part], u8[part].float() / 255, len(y)
+
+
+def read_image(path):
+    """images.load_rgb(path), or one line naming the file and why it cannot be read."""
+    try:
+        return load_rgb(path)
+    except UNREADABLE as e:  # unreadable, truncated, a broken PNG, a decompression bomb, 32-bit pixels
+        raise UserError(f'cannot decode {path}: {unreadable_reason(e)}') from None
 
 
 # -----------------------------------------------------------------------------
@@ -168,11 +170,12 @@ class ImageFolder(torchvision.datasets.ImageFolder):
                 return data, self.targets[index], -1 if seed is None else seed, index, plain_jpeg(data)
             except UNREADABLE:
                 return b'', -1 - index, -1, index, False
-        try:
-            with seeded(seed):
-                return super().__getitem__(index)
+        try:  # only decoding: an error of the transform (e.g. an impossible resize) is not the file's
+            image = self.loader(self.samples[index][0])
         except UNREADABLE:  # PIL: cannot identify image file, image file is truncated, a decompression bomb, ...
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), -1 - index
+        with seeded(seed):
+            return self.transform(image), self.targets[index]
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):

@@ -138,10 +138,10 @@ def load_weights(model, path, finetune=False, new_head=False):
     load_state(model, sd, f'{path} does not fit this --model / --model-kw / --dataset', run)
 
 
-def load_state(model, sd, what, run=None):
+def load_state(model, sd, what, run=None, flags=('model', 'model_kw', 'dataset', 'classes', 'img_size')):
     """model.load_state_dict(sd), strictly; a state_dict that does not fit is one short line, `what` then what
     differs, the first tensor of each kind (torch's message lists every tensor: thousands of characters for a model
-    of another depth), then, for one of our runs (run: the args its last.pt stored), the flags that built it."""
+    of another depth), then, for one of our runs (run: the args its last.pt stored), its `flags` that build it."""
     own = model.state_dict()
     missing, extra = [k for k in own if k not in sd], [k for k in sd if k not in own]
     shape = [k for k in own if k in sd and sd[k].shape != own[k].shape]
@@ -151,8 +151,7 @@ def load_state(model, sd, what, run=None):
             [f'{len(shape)} of another shape ({shape[0]} {list(sd[shape[0]].shape)}, here '
              f'{list(own[shape[0]].shape)})'] if shape else [])
         built = ' '.join(f'--{k.replace("_", "-")} {" ".join(map(str, v)) if isinstance(v, list) else v}'
-                         for k, v in ((k, (run or {}).get(k)) for k in ('model', 'model_kw', 'dataset', 'classes',
-                                                                        'img_size')) if v not in (None, []))
+                         for k, v in ((k, (run or {}).get(k)) for k in flags) if v not in (None, []))
         raise UserError(f'{what}: {"; ".join(said)}' + (f'; its run had {built}' if built else ''))
     model.load_state_dict(sd)
 

@@ -437,6 +437,26 @@ def test_a_subset_that_leaves_a_class_without_an_image_is_refused(flag, cifar10_
         data.load_cifar(cifar10_dir, 'cifar10', True, 1, [3, 5], '--classes', flag)
 
 
+def test_an_image_a_measurement_cannot_read_is_named_and_a_transform_error_is_not_blamed_on_a_file(tmp_path):
+    """geometry.py's ImageNet images (data.measurement_images) said "cannot decode an image of DIR"; the loaders'
+    data.ImageFolder took a transform's error for an unreadable file ("corrupt or truncated" of a good image)."""
+    from PIL import Image
+    import data
+    for c in ('a', 'b'):
+        (tmp_path / 'train' / c).mkdir(parents=True)
+        Image.new('RGB', (40, 30), (200, 10, 10)).save(tmp_path / 'train' / c / 'good.JPEG')
+    (tmp_path / 'train' / 'b' / 'zz.JPEG').write_bytes(b'not an image')
+    with pytest.raises(data.UserError, match=r'^cannot decode .*/train/b/zz\.JPEG: corrupt or truncated$'):
+        data.measurement_images(tmp_path, 'imagenet', True, 3, 32)
+
+    def impossible(image):
+        raise ValueError('a crop larger than the image')
+    ds = data.ImageFolder(tmp_path, 'train', impossible, 32)
+    with pytest.raises(ValueError, match='a crop larger than the image'):
+        ds[0]
+    assert ds[2][1] == -3  # (zz.JPEG, index 2: unreadable, named by the loaders' check_decoded)
+
+
 def test_a_split_root_given_as_an_image_folder_is_named_not_read_as_two_classes(cifar10_dir):
     """An ImageNet checkpoint with a CIFAR root (DIR/{train,test}/<class>) read 'train' and 'test' as 2 classes."""
     import data
