@@ -16,7 +16,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from torchvision.transforms import v2
 
 from augment import normalize
-from images import UNREADABLE, load_rgb, plain_jpeg, reread_reason, unreadable_reason
+from images import UNREADABLE, load_rgb, plain_jpeg, read_rgb, reread_reason
 from loader import seeded
 from utils import UserError, epoch_seed, one_line, score
 
@@ -32,11 +32,10 @@ def load_cifar(root, dataset, train, subset=0, classes=None, classes_flag=None, 
     """uint8 images (N, 3, 32, 32), int64 labels (N,): from an image folder root/{train,test}/<class>/*, else
     from torchvision's CIFAR folder in root (downloaded when absent). subset: the first subset/C per class.
     classes: only these, relabelled 0..k-1 in this order. classes_flag: the caller's flag that picks them, if any.
-    subset_flag: the caller's flag that sets subset, for a classifier's data (train_cifar.py): a subset that leaves
-    a class without an image is refused (a class never trained on, or a test of some classes only)."""
+    subset_flag: the caller's flag for subset, where every class needs an image (a classifier's data)."""
     root, num_classes, split = Path(root), NUM_CLASSES[dataset], 'train' if train else 'test'
     k = len(classes) if classes else num_classes
-    if subset_flag and 0 < subset < k:
+    if subset_flag and 0 < subset < k:  # (a class never trained on, or a test of some classes only)
         raise UserError(f'{subset_flag} {subset} leaves {k - subset} of the {k} classes without an image (a class-'
                         f'balanced subset takes subset/{k} of each): pass 0 (all) or {k} or more')
     if not ((root / 'train').is_dir() and (root / 'test').is_dir()):
@@ -69,7 +68,7 @@ def load_cifar(root, dataset, train, subset=0, classes=None, classes_flag=None, 
     keep = balanced_subset(labels, subset, classes or num_classes)
     x = []
     for path, _ in (ds.samples[i] for i in keep):  # ~30 us per 32x32 image
-        x.append(np.asarray(read_image(path)))  # PIL, as RGB
+        x.append(np.asarray(read_rgb(path)))  # PIL, as RGB
         if x[-1].shape != (32, 32, 3):
             raise UserError(f'{path} is {x[-1].shape[1]}x{x[-1].shape[0]} px; CIFAR images are 32x32')
     return torch.from_numpy(np.stack(x)).permute(0, 3, 1, 2).contiguous(), relabel(labels[keep], classes)
@@ -115,21 +114,13 @@ def measurement_images(root, dataset, train, n, img_size, norm='jax', classes=No
             raise UserError(f'{folder} is not a folder; {LAYOUT}')
         ds = torchvision.datasets.ImageFolder(folder, eval_transform(img_size, crop_pct, interp, norm), loader=load_rgb)
         pick = torch.linspace(0, len(ds) - 1, min(n, len(ds))).long()  # only this process's images are read
-        x, y = map(torch.stack, zip(*[(ds.transform(read_image(ds.samples[i][0])), torch.tensor(ds.targets[i]))
+        x, y = map(torch.stack, zip(*[(ds.transform(read_rgb(ds.samples[i][0])), torch.tensor(ds.targets[i]))
                                       for i in pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]]))
         return x, y, (x - x.min()) / (x.max() - x.min()), len(pick)  # the network's input, for the figures
     u8, y = load_cifar(root, dataset, train, n, classes)
     part = slice(len(y) * rank // world, len(y) * (rank + 1) // world)
     stats = [torch.tensor(v[dataset]).view(1, 3, 1, 1) for v in (MEAN, STD)]
     return resize(normalize(u8[part], *stats), img_size), y[part], u8[part].float() / 255, len(y)
-
-
-def read_image(path):
-    """images.load_rgb(path), or one line naming the file and why it cannot be read."""
-    try:
-        return load_rgb(path)
-    except UNREADABLE as e:  # unreadable, truncated, a broken PNG, a decompression bomb, 32-bit pixels
-        raise UserError(f'cannot decode {path}: {unreadable_reason(e)}') from None
 
 
 # -----------------------------------------------------------------------------

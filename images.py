@@ -33,6 +33,15 @@ def load_rgb(file):
         return img.convert('RGB')
 
 
+def read_rgb(path):
+    """load_rgb(path), or one line naming the file and why it cannot be read (unreadable, truncated, a broken PNG, a
+    decompression bomb, 32-bit pixels)."""
+    try:
+        return load_rgb(path)
+    except UNREADABLE as e:
+        raise UserError(f'cannot decode {path}: {unreadable_reason(e)}') from None
+
+
 def plain_jpeg(data):
     """Whether a file's bytes are a JPEG that torchvision.io.decode_jpeg(mode=RGB) decodes to load_rgb's pixels on
     every device: 8-bit RGB or greyscale (not CMYK, which nvJPEG has no conversion of; not a PNG, GIF, 16-bit or

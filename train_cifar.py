@@ -126,8 +126,8 @@ def get_args(argv=None):
         args.saved_args = ckpt['args']
     elif args.resume:
         raise UserError(f'--resume {run} is not a train_cifar.py checkpoint (it lacks some of {RUN_KEYS})')
-    elif args.pretrained and not str(args.pretrained).endswith('.npz') and \
-            (pre := stored_args(args.pretrained, '--pretrained')) and args.model in (pre['model'], p.get_default('model')):
+    elif args.pretrained and not str(args.pretrained).endswith('.npz') and (pre := stored_args(
+            args.pretrained, '--pretrained')) and (args.model == pre['model'] or not given(p, argv, 'model')):
         # one of our last.pt files (any script's): its --model and --model-kw are the defaults (--model-kw given win)
         args = p.parse_args(argv, namespace=Namespace(model=pre['model'], model_kw=list(pre.get('model_kw') or [])))
     args.out = args.out or (str(Path(args.resume).parent) if args.resume else 'runs/cifar')
@@ -181,8 +181,8 @@ def load_data(args, proc):
     """The CIFAR images on the device as uint8: (train_x, train_y) (None with --eval-only), (test_x, test_y).
     Under torchrun rank 0 reads (and downloads, if needed) first."""
     with rank_zero_first(proc):
-        read = lambda train, n: [t.to(proc.device) for t in load_cifar(
-            args.data, args.dataset, train, n, args.classes, '--classes', '--train-subset' if train else '--test-subset')]
+        read = lambda train, n: [t.to(proc.device) for t in load_cifar(  # (every class in a subset: data.py)
+            args.data, args.dataset, train, n, args.classes, '--classes', f'--{"train" if train else "test"}-subset')]
         test = read(False, args.test_subset)
         train = (None, None) if args.eval_only else read(True, args.train_subset)
     if not args.eval_only and len(train[1]) < args.batch_size:
