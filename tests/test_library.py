@@ -276,7 +276,8 @@ def scripts_with_out(capsys):
         if "__name__ == '__main__'" not in path.read_text():
             continue
         _, text = run_in_process(path.stem, ['-h'], capsys)
-        subs = re.findall(r'^ {4}(\w+)(?: |$)', text.partition('positional arguments:')[2].partition('options:')[0], re.M)
+        listed = text.partition('positional arguments:')[2].partition('options:')[0]  # (argparse's subcommands)
+        subs = re.findall(r'^ {4}(\w+)(?: |$)', listed, re.M)
         for sub, help_text in ([(s, run_in_process(path.stem, [s, '-h'], capsys)[1]) for s in subs] or [('', text)]):
             if re.search(r'--out DIR', help_text):
                 found[f'{path.stem} {sub}'.strip()] = help_text
@@ -432,7 +433,7 @@ def test_a_subset_that_leaves_a_class_without_an_image_is_refused(flag, cifar10_
     with pytest.raises(data.UserError, match=f'^{flag} 7 leaves 3 of the 10 classes without an image .*: pass 0 '
                                              r'\(all\) or 10 or more$'):
         tc.main(['--data', str(cifar10_dir), '--train-subset', '10', '--test-subset', '10', flag, '7', '--epochs', '1',
-                 '--batch-size', '1', '--model-kw', 'dim=8', 'depth=1', '--log-every', '0', '--out', str(tmp_path / 'r')])
+                 '--batch-size', '1', '--model-kw', 'dim=8', 'depth=1', '--log-every', '0', '--out', str(tmp_path)])
     with pytest.raises(data.UserError, match=f'^{flag} 1 leaves 1 of the 2 classes'):  # --classes: k of them
         data.load_cifar(cifar10_dir, 'cifar10', True, 1, [3, 5], '--classes', flag)
 
