@@ -2,8 +2,8 @@
 
 Model rows: a training step (fwd + bwd + AdamW) of our model beside timm's model of the same config,
 same weights, batch and dtype (without timm: ours alone); our SAM step over our base step, GSAM over SAM; peak memory;
-training FLOPs; on CUDA the achieved TFLOP/s and MFU. --json is rewritten after every row, every figure a number. cifar rows: augment.make_augment at train_cifar.py's default recipe beside
-locuslab/convmixer-cifar10's PIL pipeline (one image at a time), both on one core; then its share of a CIFAR step.
+training FLOPs; on CUDA the achieved TFLOP/s and MFU. --json is rewritten after every row, every figure a number.
+cifar rows: augment.make_augment at train_cifar.py's default recipe beside locuslab/convmixer-cifar10's PIL pipeline (one image at a time), both on one core; then its share of a CIFAR step.
 loader rows: train_imagenet.py's input per loader worker core, for each recipe and --decode path, on ImageNet-sized
 JPEGs made here, beside torchvision's ImageFolder + transforms.v2 with the same recipe.
 
@@ -14,7 +14,6 @@ JPEGs made here, beside torchvision's ImageFolder + transforms.v2 with the same 
 """
 import argparse
 import datetime
-import json
 import math
 import multiprocessing
 import os
@@ -373,7 +372,8 @@ def matmul_peak(device, n=8192):
 def numbers(r, peak=None, measured=None):
     """A row's figures as numbers (the JSON's; the table prints them): img/s per side, ours/ref, the step ratios,
     achieved TFLOP/s (img/s x training FLOP per image); MFU of a peak and of a measured matmul's FLOP/s, if given."""
-    ips = {side: r['batch'] / r[f'{key}_s'] if f'{key}_s' in r else None for side, key in (('', 'ours'), ('ref_', 'ref'))}
+    ips = {side: r['batch'] / r[f'{key}_s'] if f'{key}_s' in r else None
+           for side, key in (('', 'ours'), ('ref_', 'ref'))}
     n = dict(img_per_s=ips[''], ref_img_per_s=ips['ref_'], ours_over_ref=ips[''] / ips['ref_'] if ips['ref_'] else None,
              **{k: r[f'{a}_s'] / r[f'{b}_s'] if f'{a}_s' in r and f'{b}_s' in r else None
                 for k, (_, a, b) in RATIOS.items()})
@@ -398,7 +398,8 @@ def table(rows, gpu=None, peak_tflops=None, measured=None):
         n = numbers(r, peak, measured)
         cells = [r['row'], r['px'], r['batch'], r['dtype'], r['mode'], fmt(n['img_per_s']), fmt(n['ref_img_per_s']),
                  f"{n['ours_over_ref']:.2f}" if n['ours_over_ref'] else '—',
-                 *(f'{n[k]:.2f}' + f" (m {r.get('sam_m')})" * (k == 'sam_m_over_base') if n[k] else '—' for k in RATIOS),
+                 *(f'{n[k]:.2f}' + f" (m {r.get('sam_m')})" * (k == 'sam_m_over_base') if n[k] else '—'
+                   for k in RATIOS),
                  f"{fmt(r['ours_mib'])} / {fmt(r.get('ref_mib'))}" if 'ours_mib' in r else '—', fmt(r.get('gflops'))]
         if gpu:
             cells += [f"{fmt(n['tflops'])} / {fmt(n['ref_tflops'])}", pct(n['mfu'], n['ref_mfu'])] + \
@@ -418,7 +419,8 @@ def header(args, argv):
     gpu = torch.cuda.get_device_name(args.device) if args.device.type == 'cuda' else 'no GPU used'
     return (f'## bench.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n'
             f'Machine: {cpu}, {len(os.sched_getaffinity(0))} cores (torch threads {torch.get_num_threads()}); '
-            f'{gpu}; torch {torch.__version__}, timm {timm.__version__ if timm else "not installed"}, torchvision {torchvision.__version__}; '
+            f'{gpu}; torch {torch.__version__}, timm {timm.__version__ if timm else "not installed"}, '
+            f'torchvision {torchvision.__version__}; '
             f'load average at start {" / ".join(f"{x:.1f}" for x in os.getloadavg())} (1/5/15 min)\n\n'
             f'Command: `python bench.py {" ".join(sys.argv[1:] if argv is None else argv)}`\n\n'
             f'img/s = batch / median of blocked_autorange(min_run_time={args.min_run_time} s); peak MiB: what '
