@@ -3,7 +3,8 @@
 Model rows: a training step (fwd + bwd + AdamW) of our model beside timm's model of the same config,
 same weights, batch and dtype (without timm: ours alone); our SAM step over our base step, GSAM over SAM; peak memory;
 training FLOPs; on CUDA the achieved TFLOP/s and MFU. --json is rewritten after every row, every figure a number.
-cifar rows: augment.make_augment at train_cifar.py's default recipe beside locuslab/convmixer-cifar10's PIL pipeline (one image at a time), both on one core; then its share of a CIFAR step.
+cifar rows: augment.make_augment at train_cifar.py's default recipe beside locuslab/convmixer-cifar10's PIL pipeline
+(one image at a time), both on one core; then its share of a CIFAR step.
 loader rows: train_imagenet.py's input per loader worker core, for each recipe and --decode path, on ImageNet-sized
 JPEGs made here, beside torchvision's ImageFolder + transforms.v2 with the same recipe.
 

@@ -378,7 +378,8 @@ def main(argv=None):
                                 os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
         prepare_out(args, lock=master)  # (one lock: rank 0's)
     init_group(proc)
-    val_loader, num_classes, train_loader, sampler, mix = make_data(args, proc, 0 if args.eval_only else per_step // k, fmt)
+    val_loader, num_classes, train_loader, sampler, mix = make_data(args, proc, 0 if args.eval_only else per_step // k,
+                                                                    fmt)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in MEANS[args.norm])
     # --- model: trained through DDP; evaluated bare (no collectives: ranks may run unequal eval batches) --------
     torch.manual_seed(args.seed)  # the same initial weights on every rank and world size

@@ -36,8 +36,8 @@ def vit_activation_bytes(layers, tokens, dim, heads):
 
 # (model, px): (layers, tokens incl. the class token, dim, heads): ViT-B/16, ViT-L/16 at 224 px, ViT-B/8 at 224 px,
 # the 384 px fine-tune of ViT-B/16
-VITS = {('vit_b16', 224): (12, 197, 768, 12), ('vit_l16', 224): (24, 197, 1024, 16), ('vit_b8', 224): (12, 785, 768, 12),
-        ('vit_b16', 384): (12, 577, 768, 12)}
+VITS = {('vit_b16', 224): (12, 197, 768, 12), ('vit_l16', 224): (24, 197, 1024, 16),
+        ('vit_b8', 224): (12, 785, 768, 12), ('vit_b16', 384): (12, 577, 768, 12)}
 
 
 @pytest.mark.parametrize('name, px', list(VITS))
