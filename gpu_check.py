@@ -246,10 +246,13 @@ def sync_runs(args, work):
 def syncs(args, work):
     """Host syncs per step: a run of 2k steps minus one of k (start, evaluation and saving are the same in both).
     The --compile runs go first: they also fill inductor's cache for the compile part's graphs."""
-    def count(name, file, make_argv, steps):
+    def count(name, file, make_argv, steps):  # -> the sync warnings' lines, or the run's error (the others go on)
         argv = [*make_argv(steps), '--out', work / f'syncs_{name}_{steps}', '--overwrite']
-        code, err, _ = script(args, file, argv, work / f'syncs_{name}_{steps}.log', SYNC_WRAPPER)
-        check(code, err, f'{file} ({name}, {steps} steps)')
+        try:
+            code, err, _ = script(args, file, argv, work / f'syncs_{name}_{steps}.log', SYNC_WRAPPER)
+            check(code, err, f'{file} ({name}, {steps} steps)')
+        except (OutOfTime, RuntimeError) as e:
+            return f'{type(e).__name__}: {one_line(e)}'
         return [re.sub(r':\s*UserWarning.*', '', line).strip() for line in err.splitlines() if SYNC in line]
     runs = sync_runs(args, work)
     jobs = sorted(((name, file, make_argv, s) for name, (file, make_argv, k) in runs.items()
@@ -259,10 +262,14 @@ def syncs(args, work):
     rows = {}
     for name, (_, _, k) in runs.items():
         lines = [got[name, s] for s in ((k,) if args.dry_run else (k, 2 * k))]
+        if bad := [c for c in lines if isinstance(c, str)]:
+            rows[name] = dict(error=bad[0])
+            continue
         rows[name] = dict(per_step=(len(lines[1]) - len(lines[0])) / k if len(lines) == 2 else None,
                           runs=[len(c) for c in lines], steps=[k, 2 * k][:len(lines)],
                           where=dict(Counter(sum(lines, [])).most_common(10)), measured=torch.cuda.is_available())
-    return rows
+    bad = {n: r['error'] for n, r in rows.items() if 'error' in r}  # the counts of the others kept
+    return dict(rows, **(dict(status='failed', error='; '.join(f'{n}: {e}' for n, e in bad.items())) if bad else {}))
 
 
 def steady(train_rows):
@@ -334,13 +341,12 @@ def bench(args, work):
     try:
         code, err, wall = script(args, 'bench.py', [*argv, '--json', work / 'bench_rows.json'], work / 'bench.log')
         check(code, err, 'bench.py')
-        late = None
-    except OutOfTime as e:
+        end = dict(wall_s=wall)
+    except (OutOfTime, RuntimeError) as e:
         if not (work / 'bench_rows.json').exists():
             raise
-        late = str(e)
-    return dict(json.loads((work / 'bench_rows.json').read_text()), **({'status': 'stopped', 'error': late} if late
-                                                                        else {'wall_s': wall}))
+        end = dict(status='stopped' if isinstance(e, OutOfTime) else 'failed', error=one_line(e))
+    return dict(json.loads((work / 'bench_rows.json').read_text()), **end)
 
 
 def smoke(args, work):
@@ -358,15 +364,17 @@ def smoke(args, work):
 
     def one(name):
         file, argv = runs[name]
-        code, err, wall = script(args, file, [*argv, '--out', work / f'smoke_{name}', '--overwrite'],
-                                 work / f'smoke_{name}.log')
+        try:
+            code, err, wall = script(args, file, [*argv, '--out', work / f'smoke_{name}', '--overwrite'],
+                                     work / f'smoke_{name}.log')
+        except OutOfTime as e:
+            return dict(ok=False, error=str(e))
         return dict(ok=code == 0, wall_s=wall, error=err.strip().splitlines()[-1] if code and err.strip() else None)
     with ThreadPoolExecutor(3) as pool:
         rows = dict(zip(list(runs)[:3], pool.map(one, list(runs)[:3])))
     rows['robustness_pgd'] = one('robustness_pgd')
-    if bad := {n: r['error'] for n, r in rows.items() if not r['ok']}:
-        raise RuntimeError('; '.join(f'{n}: {e}' for n, e in bad.items()))
-    return rows
+    bad = {n: r['error'] for n, r in rows.items() if not r['ok']}  # the others' rows kept
+    return dict(rows, **(dict(status='failed', error='; '.join(f'{n}: {e}' for n, e in bad.items())) if bad else {}))
 
 
 def table1_part(args, work):
