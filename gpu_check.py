@@ -410,7 +410,8 @@ def table1_part(args, work):
     if scale < 0.05:
         raise Skip(f'too little of --budget-s left for Table 1: {left:.0f} s of training for runs that need '
                    f'{max(r["preset_s"] for r in runs.values()):.0f} s; {json.dumps(sizing)}')
-    corrupt = [] if importlib.util.find_spec('imagecorruptions') else ['--corruption-n', 0]  # (else: the wheel, above)
+    corrupt = ['--corruption-n', 20 if args.dry_run else 500] if importlib.util.find_spec('imagecorruptions') else [
+        '--corruption-n', 0]  # (without the package: the column left out, the wheel named above)
     try:
         code, err, wall = script(args, cmd[0], [*cmd[1:], *preset, '--data', args.data, '--out', main_out, '--jobs', 6,
                                                 '--epochs-scale', f'{scale:.4f}', *(quick if args.dry_run else []),
