@@ -151,6 +151,9 @@ class ImageFolder(torchvision.datasets.ImageFolder):
             super().__init__(os.path.join(root, split), transform=transform, loader=load_rgb)
         except (FileNotFoundError, NotADirectoryError, RuntimeError) as e:  # none, a file, no class folders, empty
             raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
+        if len(self.classes) < 2:  # one output: cross-entropy 0 from the first step, accuracy 100%, nothing learned
+            raise UserError(f'--data {root}: {split} holds 1 class folder ({self.classes[0]}); a classifier (or a '
+                            'probe) needs 2 or more')
         self.img_size, self.decode = img_size, decode
 
     def __getitem__(self, index):

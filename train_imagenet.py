@@ -285,8 +285,6 @@ def make_data(args, proc, micro=0, fmt=torch.preserve_format):
             raise UserError(f'--data {args.data}: the class folders of train ({len(train_set.classes)}) and val '
                             f'({len(val_set.classes)}) differ in number or names; {LAYOUT}')
     num_classes = 1000 if args.synthetic else len(val_set.classes)
-    if num_classes < 2:  # one output: cross-entropy is 0 from the first step, accuracy 100%, nothing learned
-        raise UserError(f'--data {args.data} holds 1 class folder ({val_set.classes[0]}): a classifier needs 2 or more')
     loader_kw = dict(num_workers=args.workers, pin_memory=proc.device.type == 'cuda',
                      persistent_workers=args.workers > 0,
                      collate_fn=collate_bytes if args.decode == 'gpu' and not args.synthetic else None)

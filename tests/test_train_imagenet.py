@@ -834,7 +834,7 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
     'corrupt-image-decode-gpu': (BASE + ['--data', '{bad}/corrupt', '--workers', 1, '--decode', 'gpu'],
                                  ['cannot decode the image {bad}/corrupt/train/dog/', '(corrupt or truncated)']),
     'one-class': (BASE + ['--data', '{bad}/one_class'],
-                  ['--data {bad}/one_class holds 1 class folder (cat): a classifier needs 2 or more']),
+                  ['--data {bad}/one_class: val holds 1 class folder (cat); a classifier (or a probe) needs 2 or more']),
     'seed-over-64-bits': (BASE + ['--seed', 2 ** 64],
                           ['--seed must be a finite number >= 0 and <= 9223372036854775807']),
 }
