@@ -254,9 +254,9 @@ def test_train_imagenet_decode_gpu_runs_on_the_cpu_device_and_names_a_file_it_ca
             '--eval-batch-size', '3']
     mixed = tmp_path / 'mixed'
     shutil.copytree(jpeg_folder, mixed)
-    odd = sorted((odd_files[0] / 'odd' / 'a').iterdir())  # 13 files: 12 into train/a (36 images, 9 steps), 1 val
-    for f in odd:
-        shutil.copy(f, mixed / ('train' if f != odd[-1] else 'val') / 'a' / f.name)
+    for f in (odd_files[0] / 'odd' / 'a').iterdir():  # the 12 kinds into train/a: 36 images, 9 steps of 4
+        shutil.copy(f, mixed / 'train' / 'a' / f.name)
+    shutil.copy(odd_files[0] / 'odd' / 'b' / 'b_jpeg.JPEG', mixed / 'val' / 'b')  # 9 validation images
     res = ti.main(['--data', str(mixed), *argv, '--out', str(tmp_path / 'run')])
     assert res['n'] == 9 and math.isfinite(res['loss'])
     bad = tmp_path / 'bad'
@@ -289,7 +289,8 @@ def odd_files(tmp_path_factory):
     import numpy as np
     from PIL import Image
     root = tmp_path_factory.mktemp('odd')
-    (root / 'odd' / 'a').mkdir(parents=True)
+    for c in ('a', 'b'):  # (b: an RGB JPEG; a folder of one class is refused)
+        (root / 'odd' / c).mkdir(parents=True)
     rgb = natural(1, 32, seed=3)[0].permute(1, 2, 0).numpy()
     grey = rgb[..., 0]
     pal = Image.fromarray(rgb).quantize(16)
@@ -309,6 +310,7 @@ def odd_files(tmp_path_factory):
     for name, (img, fmt, _) in kinds.items():
         img.save(root / 'odd' / 'a' / f'{name}.JPEG', format=fmt)
     png16(root / 'odd' / 'a' / 'rgb16_png.JPEG', rgb.astype(np.uint16) * 257)
+    Image.fromarray(255 - rgb).save(root / 'odd' / 'b' / 'b_jpeg.JPEG')
     return root, {**{name: want for name, (_, _, want) in kinds.items()}, 'rgb16_png': rgb}
 
 
