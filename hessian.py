@@ -35,8 +35,8 @@ def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
     (x, y), read once; loss_fn(model(x), y) a batch mean, each batch weighted by its size; under torchrun over every
     process's images) with respect to `params` (default: every trainable parameter; a subset gives that diagonal
     block), P their number of entries. Measured in eval mode (eval_mode: the model and its buffers left as they were).
-    Refused up front (one forward over the images, one backward of the first batch): no images (on any process), a
-    loss that is not finite, a loss that uses none of params (its Hessian would be 0 from nothing).
+    Refused up front (one forward over the images and a backward of the first batch; 'cached': while it builds its
+    graphs): no images (on any process), a loss that is not finite, a loss that uses none of params (a Hessian of 0).
     mode 'reverse': H v = d/dw <grad L(w), v>, a forward, a backward with create_graph and its backward per batch
         and product; memory: one batch's graph and its gradient's graph.
     mode 'cached': the gradient graphs of every batch built once and kept (PyHessian's single-batch path): each
@@ -56,30 +56,30 @@ def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
     batches = [(x, y) for x, y in batches if len(x)]  # (an empty batch weighs 0: its mean loss would be nan)
     sizes, dev = [p.numel() for p in params], params[0].device
     dtype = functools.reduce(torch.promote_types, {p.dtype for p in params})  # v in it once, not per parameter
-    seen = torch.zeros(3, dtype=torch.float64, device=dev)  # images, non-finite losses, params the loss uses
-    with eval_mode(model):
+    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64, device=dev)).item()
+    if not n:  # (n, and each count below, summed over the processes: every process raises alike)
+        raise ValueError('no images in batches' + ' of any process' * (dist.is_available() and dist.is_initialized()))
+    # The checks: each batch's loss (cached: with the gradient graphs it keeps; else no grad but the first batch's)
+    seen, cached = torch.zeros(2, dtype=torch.float64, device=dev), []  # non-finite losses, params the loss uses
+    with sdpa_kernel(SDPBackend.MATH), eval_mode(model):
         for i, (x, y) in enumerate(batches):
-            with torch.set_grad_enabled(i == 0):
+            with torch.set_grad_enabled(mode == 'cached' or i == 0):
                 loss = loss_fn(model(x), y)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise ValueError(f'loss_fn must return the batch\'s mean loss, a 0-dim tensor; got '
                                  f'{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}')
-            seen[0] += len(x)
-            seen[1] += ~torch.isfinite(loss.detach())
-            if i == 0 and loss.requires_grad:
-                seen[2] += sum(g is not None for g in torch.autograd.grad(loss, params, allow_unused=True))
-    n, bad, used = all_sum(seen).tolist()  # (every process raises alike: a collective decides)
-    if not n:
-        raise ValueError('no images in batches' + ' of any process' * (dist.is_available() and dist.is_initialized()))
+            seen[0] += ~torch.isfinite(loss.detach())
+            if loss.requires_grad:
+                grads = torch.autograd.grad(loss * (len(x) / n), params, create_graph=mode == 'cached',
+                                            allow_unused=True)
+                seen[1] += sum(g is not None for g in grads)
+                cached.append(grads)
+    bad, used = all_sum(seen).tolist()
     if bad:
         raise ValueError(f'the loss is not finite on {bad:.0f} batch(es) (inf/nan in the model or the images)')
     if not used:
         raise ValueError('the loss does not depend on params: model(x) uses none of them (their Hessian is 0)')
-    if mode == 'cached':
-        with sdpa_kernel(SDPBackend.MATH), eval_mode(model):
-            cached = [torch.autograd.grad(loss_fn(model(x), y) * (len(x) / n), params, create_graph=True,
-                                          allow_unused=True) for x, y in batches]
-    elif mode == 'forward':
+    if mode == 'forward':
         names = {id(p): k for k, p in model.named_parameters()}
         keys, rest = [names[id(p)] for p in params], {k: p.detach() for k, p in model.named_parameters()}
         rest.update(model.named_buffers())

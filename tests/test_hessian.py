@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchvision.models.resnet import BasicBlock
 
 import data
+import models
 import geometry as G
 import hessian
 import utils
@@ -215,6 +216,38 @@ def test_compare_times_both_products_and_pyhessian_takes_our_power_iterations_st
     assert all(0 < r['best_s_per_hvp'] <= r['s_per_hvp'] and r['s_per_step'] > 0 for r in rows.values())
 
 
+def test_compare_times_power_iteration_to_the_eigenvalue_it_converges_to():
+    """H29: where a negative eigenvalue is the largest in magnitude, power iteration (ours, PyHessian's) converges to
+    it, not to Lanczos's lambda_max (the largest algebraic): --compare showed them as '> N HVPs', as if slow. Now each
+    is timed to its own eigenvalue and the console says which. Oracle: eigh of the float64 jacrev Hessian of a tanh
+    MLP whose most negative eigenvalue (-1.75) outweighs its largest (0.87), its next in magnitude -1.33."""
+    pytest.importorskip('pyhessian')
+    torch.manual_seed(16)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)
+    x, y = torch.randn(12, 6), torch.randint(0, 3, (12,))
+    names, shapes = [k for k, _ in model.named_parameters()], [p.shape for p in model.parameters()]
+
+    def loss_of(w):
+        ws = {k: t.view(s) for k, t, s in zip(names, w.split([s.numel() for s in shapes]), shapes)}
+        return F.cross_entropy(functional_call(model, ws, (x.double(),)), y)
+    eig = torch.linalg.eigvalsh(torch.func.jacrev(torch.func.grad(loss_of))(
+        torch.cat([p.detach().flatten() for p in model.parameters()]).double()))
+    assert -eig[0] > 1.5 * eig[-1] > 0
+    said = []
+    got = G.compare_hessian(model.eval(), x, y, 0, said.append, most=100, reps=2)
+    assert got['reference'] == pytest.approx(eig[-1].item(), rel=1e-4)
+    assert got['reference_magnitude'] == pytest.approx(eig[0].item(), rel=1e-4)
+    rows = got['rows']
+    assert rows['Lanczos']['lambda_max'] == pytest.approx(eig[-1].item(), rel=1e-3)
+    assert rows['power iteration']['hvps'] is not None  # within 1e-4 of the eigenvalue it converges to
+    for name in ('power iteration', 'PyHessian 0.1'):
+        assert rows[name]['lambda_max'] == pytest.approx(eig[0].item(), rel=1e-3)
+    assert any('power iteration and PyHessian converge to the largest-magnitude eigenvalue' in s for s in said)
+
+
 def test_repeats_split_the_images_disjointly(cifar10_dir, tmp_path):
     """--repeats 3 on 24 images: 3 x 8 images, each repeat's lambda_max that of its own images (every third, the
     classes interleaved) measured directly, mean and std over the three."""
@@ -230,7 +263,7 @@ def test_repeats_split_the_images_disjointly(cifar10_dir, tmp_path):
     x, y, _, _ = data.measurement_images(str(cifar10_dir), 'cifar10', True, 24, 32)
     assert len(set(y[1::3].tolist())) > 1  # a repeat holds several classes
     torch.manual_seed(0)
-    model = G.build_model('vit_s4_cifar', 10, 32, G.parse_model_kw(kw), cifar=True).eval()
+    model = models.build_model('vit_s4_cifar', 10, 32, models.parse_model_kw(kw), cifar=True).eval()
     want = hessian.hessian_spectrum(model, F.cross_entropy, [(x[1::3], y[1::3])], iters=30, seed=1)['lambda_max']
     assert got['repeats'][1]['lambda_max'] == pytest.approx(want, rel=1e-5)
 
@@ -367,7 +400,8 @@ LIBRARY_WORDS = {
     'not-pairs': 'batches must be an iterable of (x, y) pairs', 'k-above-dimension': 'a vector of >= k entries',
     'k-above-steps': 'k = 3 eigenvalues need steps >= k', 'zero-start': 'v must be finite and non-zero',
     'iters-0': 'iters must be >= 1', 'hutchinson-0': 'samples must be >= 1', 'hutchpp-2': 'products must be >= 3',
-    'slq-0': 'probes must be >= 1', 'slq-no-vectors': 'vectors is empty', 'sigma-0': 'sigma must be a finite number > 0',
+    'slq-0': 'probes must be >= 1', 'slq-no-vectors': 'vectors is empty',
+    'sigma-0': 'sigma must be a finite number > 0',
     'nan-product': 'H v at Lanczos step 1 is not finite', 'nan-power': 'H v at product 1 is not finite',
     'nan-probe': 'z^T H z of probe 1 is not finite', 'basis-half': 'basis_dtype must be torch.float32 or',
     'progress-str': 'progress must be None or a function',
@@ -489,7 +523,7 @@ def test_hessian_batch_is_sized_from_the_free_memory(cifar10_dir, tmp_path, monk
               str(cifar10_dir), '--images', '12', '--iters', '3', '--overwrite', '--out', str(tmp_path)]
     G.main(common)
     assert json.loads((tmp_path / 'hessian.json').read_text())['batch_size'] == 12  # plenty: one batch
-    p = sum(q.numel() * 4 for q in G.build_model('vit_s4_cifar', 10, 32, dict(dim=16, depth=1, heads=2),
+    p = sum(q.numel() * 4 for q in models.build_model('vit_s4_cifar', 10, 32, dict(dim=16, depth=1, heads=2),
                                                  cifar=True).parameters())
     monkeypatch.setattr(G, 'saved_bytes', lambda x, fn: 10 ** 6)  # 2 MB per image: the graph and the second backward
     monkeypatch.setattr(G, 'free_memory', lambda device: ((3 + 8 + 16) * p + 5 * 2e6 + 1) / 0.8)  # the basis + 5
