@@ -146,7 +146,8 @@ def measure_run(args, run, family, d):
                  log, checkpoint=last)
     many = args.hessian_repeats > 1
     m = dict(lambda_max=h['lambda_max_mean' if many else 'lambda_max'], lambda_max_std=h.get('lambda_max_std'),
-             trace=h['trace_mean' if many else 'trace'], trace_std=h.get('trace_std'), hessian_repeats=h.get('repeats'))
+             trace=h['trace_mean' if many else 'trace'], trace_std=h.get('trace_std'), hessian_repeats=h.get('repeats'),
+             repeats_note=h.get('repeats_note'))  # (parts not class-balanced: --hessian-n / 10 not a multiple of R)
     m['active'] = geometry(args, 'neurons', dict(images=args.hessian_n, batch_size=250), geo, log,
                            checkpoint=last)['active']
     if family == 'vit':  # the same directions seed for both ViTs
@@ -260,7 +261,8 @@ def write_table(args, rows, wall):
         f"{100 * r['active_last']:.1f} |" + (f" {r.get('corruption_acc', math.nan):.2f} | "
                                               f"{r.get('corruption_gap', math.nan):.1f} |") * corrupt for r in rows]
     lines.append(f'\nlambda_max, tr H: mean +- std over {args.hessian_repeats} disjoint parts of the {args.hessian_n} '
-                 f'images (geometry.py hessian: Lanczos; Hutchinson, {HESSIAN["trace"]} probes each)')
+                 f'images (geometry.py hessian: Lanczos; Hutchinson, {HESSIAN["trace"]} probes each)'
+                 + f"; parts {rows[0]['repeats_note']}" * bool(rows[0]['repeats_note']))
     high = [f"{r['run']} {r['train_error']:.1f}%" for r in rows if r['train_error'] > LOW_ERROR]
     md = '\n'.join(lines) + (f'\n\ntraining error above {LOW_ERROR:g}%: ' + ', '.join(high) if high else '') + \
         f'\n\nwall {fmt_time(wall)} | --preset {args.preset} | trained in fp32 | measured {PRECISION}\n'
