@@ -166,8 +166,10 @@ def test_ddp_equals_single_process(cifar10_dir, tmp_path):
     # the first step: same views and weights, so only the order of fp32 sums differs (gathered keys, the
     # all-reduced loss): ~1e-7 relative, CPU-dependent; other views or weights would move it by > 1e-3
     assert b[0]['loss'] == pytest.approx(a[0]['loss'], rel=1e-5)
+    # later steps: AdamW's first updates are ~lr * sign(g), so a weight whose gradient is rounding noise moves by
+    # +-lr in either run (measured 2026-12-07, step 3: 1.5e-7 on torch 2.14.1, 1.3e-4 on 2.11.0, same CPU)
     for x, y in zip(a, b):
-        assert y['loss'] == pytest.approx(x['loss'], rel=1e-4)
+        assert y['loss'] == pytest.approx(x['loss'], rel=1e-3)
     assert 'x 3 steps of 64 (2 x 32)' in out  # two ranks of 32 really ran
 
     single = {r['protocol']: r for r in rows(tmp_path / 'one', 'eval')}
@@ -475,6 +477,9 @@ def test_data_folders_one_class_16_bit_and_a_decompression_bomb(cifar10_dir, tmp
     loaded = tc.load_data(args, 'cpu')
     cats = loaded['train'][loaded['train_y'] == 3]
     assert torch.equal(cats, torch.from_numpy(np.round(level / 257).astype(np.uint8)).expand(2, 3, 32, 32))
+    for flag in ('--train-subset', '--test-subset'):  # the probes on 5 of the 10 classes said done (bad-inputs-3)
+        with pytest.raises(utils.UserError, match=f'{flag} 5 leaves 5 of the 10 classes without an image'):
+            tc.load_data(tc.get_args(['--data', str(root), *TINY, *PROBE, flag, '5']), 'cpu')
     write_bomb_png(root / 'train' / 'cat' / 'zz_bomb.png')
     with pytest.raises(utils.UserError, match=r"cannot decode .*zz_bomb.png: it has more than 178,956,970 pixels"):
         tc.load_data(args, 'cpu')
