@@ -86,7 +86,7 @@ def get_args(argv=None):
                    'LR 0) to --rho (at its peak); unset: --rho, constant')
     g.add_argument('--look-k', type=int, default=1, metavar='K', help="LookSAM (Liu et al. 2022, looksam.py): SAM's "
                    'two passes every K-th step, one pass + the cached g_v between; 1: SAM')
-    g.add_argument('--look-alpha', type=float, default=0.1, metavar='A', help="LookSAM: g_v's norm, A ||g|| (docs)")
+    g.add_argument('--look-alpha', type=float, default=0.1, metavar='A', help="LookSAM: g_v's norm A ||g|| (paper 0.7)")
     g.add_argument('--msam', action='store_true', help='Momentum-SAM (Becker et al. 2024, msam.py), instead of --sam: '
                    'one pass at w - rho m/||m||, m the momentum; the loss logged is there; rho 0 while the LR warms up')
     g.add_argument('--adv', choices=['pgd'], help='train on PGD examples (Madry et al. 2018, pgd.py)')
