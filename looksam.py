@@ -43,8 +43,8 @@ DDP: a refresh is SAM's step (each replica its own eps_hat) and DDP averages g_s
 sums the clean g over the replicas in one all-reduce of a flat buffer (its scale cancels in g_v, as the sum over
 m-sharpness groups does), so every replica caches the same g_v (without it their g_v and weights drift apart). A
 reuse step's g is DDP's average: the same g_hat everywhere. GradScaler: the loss scale cancels in g_v/||g_v|| (as
-clipping does) and the reuse term scales with g; an overflow in any pass keeps the cached g_v (torch.where on the
-device) and SAM.step skips the step with w exact; t counts step() calls, skipped or not (a skip-dependent count
+clipping does) and the reuse term scales with g; an overflow in any pass keeps the cached g_v (a mask on the device)
+and SAM.step skips the step with w exact; t counts step() calls, skipped or not (a skip-dependent count
 would read found_inf once more). BatchNorm: statistics from the clean passes only. state_dict(): the base's, with t
 and g_v: a run resumes bit for bit anywhere in a cycle. No host sync; an enabled GradScaler's one read of found_inf
 is SAM.step's. Cost over SAM on a refresh: a flat copy of g, a transient one of g_s, three dot products; the cached
