@@ -63,8 +63,7 @@ BASE_RECIPE = dict(img_size=224, opt='adamw', opt_eps=1e-8, clip_grad=1.0, crop_
 RECIPES = {name: {**BASE_RECIPE, **recipe} for name, recipe in RECIPES.items()}
 DEFAULTS = dict(model='vit_b16', model_kw=[], randaug_m=27, accum_steps=0, max_micro_batch=0, sam=False,
                 rho=0.05, adaptive=False, sam_m=0, amp='auto', seed=0, log_every=50, save_every=0, workers=None,
-                synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None,  # the same in every recipe (None: SAM)
-                look_k=1, look_alpha=0.1, msam=False)
+                synthetic=False, decode='cpu', gsam_alpha=None, rho_min=None, look_k=1, look_alpha=0.1, msam=False)
 RUN_KEYS = {k: DEFAULTS.get(k) for k in ['data', 'recipe', *DEFAULTS, *RECIPES['sam']] if k not in MACHINE_FLAGS}
 # what --resume takes from the run, -> the default of a flag the run predates (runs.MACHINE_FLAGS: not taken)
 EVAL_KEYS = ['data', 'recipe', 'model', 'model_kw', 'img_size', 'norm', 'crop_pct', 'eval_interp']  # --eval-only
@@ -132,8 +131,8 @@ def get_args(argv=None):
     a('--rho-min', 'GSAM: rho goes with the LR from this (LR 0) to --rho (the peak LR); unset: --rho', type=float)
     a('--look-k', "LookSAM (Liu et al. 2022; looksam.py): SAM's 2 passes every K-th step, 1 between; 1: SAM", type=int)
     a('--look-alpha', "LookSAM: the reused g_v's norm, A x ||g|| (the paper's ViT value: 0.7; docs/sam.md)", type=float)
-    a('--msam', f'Momentum-SAM (Becker et al. 2024, msam.py), not --sam: one pass at w - rho m/||m||; --rho '
-      f'{MSAM_RHO} unless given; rho 0 for --warmup-steps', action=argparse.BooleanOptionalAction)
+    a('--msam', f'Momentum-SAM (msam.py), not --sam: 1 pass; --rho {MSAM_RHO} if not given, 0 for --warmup-steps',
+      action=argparse.BooleanOptionalAction)
     a('--amp', 'autocast: auto = bf16 where the GPU has it, else off; fp16 adds a GradScaler',
       choices=['auto', 'bf16', 'fp16', 'off'])
     a('--seed', 'seed of the initial weights, data order and augmentation', type=int)
