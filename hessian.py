@@ -15,7 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.func import functional_call, grad, jvp
+from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
@@ -38,47 +38,94 @@ def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
         FLOPs as 'reverse' and not faster on CPU (README, measured).
     The fused attention kernels have no double backward: the math kernel is used inside (sdpa_kernel)."""
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
-    sizes, dev = [p.numel() for p in params], params[0].device
-    dtype = functools.reduce(torch.promote_types, {p.dtype for p in params})  # v in it once, not per parameter
-    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64, device=dev)).item()
+    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64,
+                             device=params[0].device)).item()
     if mode == 'cached':
         with sdpa_kernel(SDPBackend.MATH):
             cached = [torch.autograd.grad(loss_fn(model(x), y) * (len(x) / n), params, create_graph=True,
                                           allow_unused=True) for x, y in batches]
     elif mode == 'forward':
-        names = {id(p): k for k, p in model.named_parameters()}
-        keys, rest = [names[id(p)] for p in params], {k: p.detach() for k, p in model.named_parameters()}
-        rest.update(model.named_buffers())
+        f, w0 = functional(model, params)
 
     def batch_hvp(x, y, u, grads=None):  # this batch's (weighted) H u, a tuple per parameter (None: zero)
+        k = u[0].dim() > params[0].dim()  # u holds k vectors (a leading dim): through one vmapped backward
         if mode == 'forward':
-            def g(*w):  # the weighted gradient as a function of the block's weights
-                loss = lambda *w: loss_fn(functional_call(model, {**rest, **dict(zip(keys, w))}, (x,)), y)  # noqa
-                return grad(loss, argnums=tuple(range(len(w))))(*w)
-            return tuple(h * (len(x) / n) for h in jvp(g, tuple(p.detach() for p in params), tuple(u))[1])
+            g = grad(lambda *w: loss_fn(f(x, *w), y), argnums=tuple(range(len(w0))))  # the gradient in the weights
+            hvp = lambda *t: jvp(g, w0, t)[1]  # noqa: E731
+            return tuple(h * (len(x) / n) for h in (vmap(hvp)(*u) if k else hvp(*u)))
         if grads is None:
             grads = torch.autograd.grad(loss_fn(model(x), y) * (len(x) / n), params, create_graph=True,
                                         allow_unused=True)
         pairs = [(g, v) for g, v in zip(grads, u) if g is not None and g.requires_grad]
         if not pairs:  # the gradient does not depend on these weights: H u = 0
             return [None] * len(params)
+        # k vectors: is_grads_batched vmaps the backward of the gradient's graph (right with LayerNorm, unlike a
+        # vmapped jacrev: tested against the fp64 Hessian, tests/test_curvature.py)
         return torch.autograd.grad([g for g, _ in pairs], params, grad_outputs=[v for _, v in pairs],
-                                   retain_graph=mode == 'cached', allow_unused=True)
+                                   retain_graph=mode == 'cached', allow_unused=True, is_grads_batched=k)
+
+    return flat_operator(params, lambda u: ((batch_hvp(None, None, u, g) for g in cached) if mode == 'cached' else
+                                            (batch_hvp(x, y, u) for x, y in batches)))
+
+
+def flat_operator(params, products):
+    """-> (matvec, P): matvec(v) for one flat vector v (P,) or k of them as the rows of (k, P), from products(u):
+    an iterable of per-batch tuples (a tensor with u's leading dims, or None for zero, per parameter) of the
+    vectors u as tensors per parameter; summed in float64 over the batches and torchrun's processes (one all-reduce
+    of the flat result per call: for k vectors, one for all k)."""
+    sizes, dev = [p.numel() for p in params], params[0].device
+    dtype = functools.reduce(torch.promote_types, {p.dtype for p in params})  # v in it once, not per parameter
 
     def matvec(v):
-        out, u = None, [t.view_as(p).to(p.dtype) for t, p in zip(v.to(dtype).split(sizes), params)]
-        with sdpa_kernel(SDPBackend.MATH):
-            for hv in ((batch_hvp(None, None, u, g) for g in cached) if mode == 'cached' else
-                       (batch_hvp(x, y, u) for x, y in batches)):
-                flat = torch.cat([p.new_zeros(p.numel()) if h is None else h.flatten() for h, p in zip(hv, params)])
+        lead = v.shape[:-1]
+        u = [t.reshape(*lead, *p.shape).to(p.dtype) for t, p in zip(v.to(dtype).split(sizes, -1), params)]
+        out = None
+        with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have no double backward (nor jvp)
+            for hv in products(u):
+                flat = torch.cat([p.new_zeros(*lead, p.numel()) if h is None else h.reshape(*lead, -1)
+                                  for h, p in zip(hv, params)], -1)
                 # float64 across batches: each batch's product is exact to its dtype's rounding, and so stays
                 # their sum (fp32 partial sums over many batches would add a rounding per batch)
                 out = flat.double() if out is None else out.add_(flat)
         if out is None:  # no images in this process
-            out = torch.zeros(sum(sizes), dtype=torch.float64, device=dev)
-        return all_sum(out)  # one flat tensor per product
+            out = torch.zeros(*lead, sum(sizes), dtype=torch.float64, device=dev)
+        return all_sum(out)
 
     return matvec, sum(sizes)
+
+
+def functional(model, params):
+    """(f, w): f(x, *w) the model's output on x with `params` replaced by w (the other weights and the buffers as
+    they are), w those parameters detached: what torch.func differentiates."""
+    names = {id(p): k for k, p in model.named_parameters()}
+    keys, rest = [names[id(p)] for p in params], {k: p.detach() for k, p in model.named_parameters()}
+    rest.update(model.named_buffers())
+    return lambda x, *w: functional_call(model, {**rest, **dict(zip(keys, w))}, (x,)), tuple(p.detach() for p in params)
+
+
+def ggn_operator(model, batches, params=None):
+    """-> (matvec, P) as hvp_operator's, for the generalised Gauss-Newton matrix of the mean cross-entropy over
+    `batches` (Schraudolph 2002; Martens, JMLR 2020, Sec. 8.1): G = 1/N sum_n J_n^T (diag(p_n) - p_n p_n^T) J_n,
+    J_n the Jacobian of image n's logits in `params`, p_n their softmax (the middle factor: the cross-entropy's
+    Hessian in the logits, whatever the label). H without the curvature of the network itself: positive
+    semi-definite, H itself for a linear model. Per batch and product J v by forward mode (torch.func.jvp), then
+    H_out, then J^T by a backward (torch.func.vjp): no Jacobian is stored. k vectors: vmapped over them (a first
+    derivative: the vmapped LayerNorm backward is right there, unlike a vmapped jacrev of a gradient). Eval mode."""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64,
+                             device=params[0].device)).item()
+    f, w0 = functional(model, params)
+
+    def batch_ggn(x, u):  # sum over this batch's images of J_n^T H_out J_n u, / N
+        logits, back = vjp(lambda *w: f(x, *w), *w0)
+        p = logits.detach().softmax(-1)
+
+        def ggn(*t):
+            ju = jvp(lambda *w: f(x, *w), w0, t)[1]
+            return back((p * ju - p * (p * ju).sum(-1, keepdim=True)) / n)
+        return vmap(ggn)(*u) if u[0].dim() > params[0].dim() else ggn(*u)
+
+    return flat_operator(params, lambda u: (batch_ggn(x, u) for x, _ in batches))
 
 
 def start_vector(params, seed=0):
@@ -116,7 +163,26 @@ def tridiagonal(alpha, beta):  # T: alpha on the diagonal, beta beside it; float
     return torch.diag(a) + torch.diag(b, 1) + torch.diag(b, -1)
 
 
-def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.float64, *, progress=None):
+def orthogonalise_(w, V):
+    """w minus its components along the rows of V (orthonormal), in place, twice ("twice is enough": Giraud, Langou
+    & Rozloznik 2005): Lanczos' full reorthogonalisation (Golub & Van Loan, Sec. 10.3.1), which also removes
+    alpha v_j and beta v_{j-1}. A float64 basis: classical, two matrix-vector products; a float32 one: modified,
+    coefficients in float64 (a float32 matrix product sums in float32: 1e-6 of lambda)."""
+    for _ in range(2):
+        if V.dtype == torch.float64:
+            w -= V.T @ (V @ w)
+        else:
+            for b in V:
+                b = b.double()
+                w -= (b @ w) * b
+    return w
+
+
+WHICH = {'LA': lambda theta: -theta, 'SA': lambda theta: theta, 'LM': lambda theta: -theta.abs()}  # sort keys
+
+
+def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.float64, vectors=False, *,
+            progress=None):
     """The k extreme eigenvalues by Lanczos with full reorthogonalisation (Golub & Van Loan, Matrix Computations,
     Alg. 10.1.1 and Sec. 10.3.1; Ghorbani et al. 2019 use the same for the density): after j products,
     H V_j = V_j T_j + beta_j v_{j+1} e_j^T with T_j tridiagonal; the Ritz values theta_i (eigenvalues of T_j)
@@ -124,11 +190,15 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
     (s_ij: the last entry of T_j's i-th eigenvector). Stop when each of the k wanted pairs has a residual
     <= tol |theta_i| (then |theta_i - lambda| <= tol |theta_i| for some eigenvalue lambda), or at an invariant
     subspace (beta ~ 0: the Ritz values are eigenvalues), or after `steps` products.
-    which: 'LA' the k largest algebraic (the top of the spectrum: the paper's lambda_max), 'LM' the k largest in
-    magnitude (what power iteration converges to). Memory: the basis, (products + 1) x P of basis_dtype, grown by
+    which: 'LA' the k largest algebraic (the top of the spectrum: the paper's lambda_max), 'SA' the k smallest
+    algebraic (the bottom: lambda_min, negative where the loss is not convex), 'LM' the k largest in magnitude
+    (what power iteration converges to). Memory: the basis, (products + 1) x P of basis_dtype, grown by
     doubling (float32 for an fp32 model halves it: its products are only fp32-accurate anyway).
-    -> dict(eigenvalues (k, 'LA' descending / 'LM' by descending magnitude), residuals, products, history:
-    the wanted first eigenvalue after each product, alpha, beta: T's diagonals)."""
+    -> dict(eigenvalues (k, in `which`'s order: 'LA' descending, 'SA' ascending, 'LM' by descending magnitude),
+    residuals, products, history: the wanted first eigenvalue after each product, alpha, beta: T's diagonals;
+    with vectors=True also vectors: the Ritz vectors y_i = V_j s_i, (k, P) float64 rows, unit norm)."""
+    if which not in WHICH:
+        raise ValueError(f"which must be one of {', '.join(WHICH)}, got {which!r}")
     rows = min(steps, len(v)) + 1  # the most basis vectors a run can need; allocated as it goes, doubling
     V = torch.empty(min(rows, 33), len(v), dtype=basis_dtype, device=v.device)  # the basis, a row each
     V[0], alpha, beta, history, start = v / v.norm(), [], [], [], time.time()
@@ -136,18 +206,12 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
         vj = V[j].double()
         w = matvec(vj)
         a = w @ vj
-        for _ in range(2):  # full reorthogonalisation: Gram-Schmidt against the whole basis, twice ("twice is
-            if basis_dtype == torch.float64:  # enough": Giraud, Langou & Rozloznik 2005); this also removes alpha v_j
-                w -= V[:j + 1].T @ (V[:j + 1] @ w)  # and beta v_{j-1}. Classical: two matrix-vector products
-            else:  # modified, coefficients in float64: a float32 matrix product sums in float32 (1e-6 of lambda)
-                for b in V[:j + 1]:
-                    b = b.double()
-                    w -= (b @ w) * b
+        orthogonalise_(w, V[:j + 1])
         a, b = torch.stack([a, w.norm().double()]).tolist()  # one read per step
         alpha.append(a)
         beta.append(b)
         theta, s = torch.linalg.eigh(tridiagonal(alpha, beta[:-1]))  # ascending
-        order = (theta if which == 'LA' else theta.abs()).argsort(descending=True)[:k]
+        order = WHICH[which](theta).argsort()[:k]
         res = (beta[-1] * s[-1, order]).abs()
         history.append(theta[order[0]].item())
         done = len(order) == k and bool((res <= tol * theta[order].abs()).all())
@@ -160,8 +224,14 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
         if j + 1 == len(V):  # (a run that converges early never holds the basis of --iters steps)
             V = torch.cat([V, V.new_empty(min(len(V), rows - len(V)), len(v))])
         V[j + 1] = w / beta[-1]
-    return dict(eigenvalues=theta[order].tolist(), residuals=res.tolist(), products=len(alpha), history=history,
-                alpha=alpha, beta=beta[:-1])
+    out = dict(eigenvalues=theta[order].tolist(), residuals=res.tolist(), products=len(alpha), history=history,
+               alpha=alpha, beta=beta[:-1])
+    if vectors:  # y_i = sum_j s_ji v_j, row by row in float64 (no float64 copy of a float32 basis)
+        y = torch.zeros(len(order), len(v), dtype=torch.float64, device=v.device)
+        for j, c in enumerate(s[:, order].to(v.device)):
+            y += c[:, None] * V[j].double()
+        out['vectors'] = y / y.norm(dim=1, keepdim=True)
+    return out
 
 
 def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4, seed=0, *, progress=None):
@@ -175,20 +245,37 @@ def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4
 
 
 def hessian_spectrum(model, loss_fn, batches, params=None, top_k=1, iters=100, tol=1e-4, trace=0, density=0, seed=0,
-                     hvp='reverse', *, progress=None):
+                     hvp='reverse', *, bottom_k=0, vectors=False, curvature='hessian', trace_estimator='hutchinson',
+                     batch=1, progress=None):
     """The Hessian of the mean loss over `batches` (params: a diagonal block, param_blocks()), eval mode, through
-    py: the top_k largest algebraic eigenvalues by Lanczos (residual <= tol |lambda|, at most `iters`
-    products; eigenvalues[0] is the paper's lambda_max), with `trace` Hutchinson probes tr H and its standard error,
-    with `density` SLQ probes of `iters` steps the spectral density's nodes and weights. Probes from `seed`."""
+    hvp_operator (curvature='ggn': the Gauss-Newton matrix of the cross-entropy, ggn_operator, instead): the top_k
+    largest algebraic eigenvalues by Lanczos (residual <= tol |lambda|, at most `iters` products; eigenvalues[0] is
+    the paper's lambda_max), bottom_k > 0 the smallest too (a second Lanczos run, which='SA': lambda_min and
+    |lambda_min| / lambda_max), vectors=True their eigenvectors ((k, P) float64 rows), `trace` products of
+    trace_estimator ('xtrace', 'hutchinson' or 'hutchpp') tr H and its standard error, `density` SLQ probes of
+    `iters` steps the spectral density's nodes and weights. Probes from `seed`; batch: vectors per product call
+    for the trace and the density (one backward each, for fewer seconds per vector)."""
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
-    matvec, n = hvp_operator(model, loss_fn, list(batches), params, hvp)
-    r = lanczos(matvec, start_vector(params, seed), top_k, iters, tol, basis_dtype=params[0].dtype, progress=progress)
-    out = dict(lambda_max=r['eigenvalues'][0], eigenvalues=r['eigenvalues'], residuals=r['residuals'],
-               products=r['products'])
+    matvec, n = (ggn_operator(model, list(batches), params) if curvature == 'ggn' else
+                 hvp_operator(model, loss_fn, list(batches), params, hvp))
+    v0, out = start_vector(params, seed), dict(curvature=curvature)
+    for key, which, k in (('', 'LA', top_k), ('bottom_', 'SA', bottom_k)):
+        if k:
+            r = lanczos(matvec, v0, k, iters, tol, which, params[0].dtype, vectors, progress=progress)
+            out.update({key + name: r[name] for name in ('eigenvalues', 'residuals', 'products', 'vectors') if name in r})
+    out['lambda_max'] = out['eigenvalues'][0]
+    if bottom_k:
+        out.update(lambda_min=out['bottom_eigenvalues'][0],
+                   lambda_min_over_max=abs(out['bottom_eigenvalues'][0]) / abs(out['lambda_max']))
     if trace:
-        out['trace'], out['trace_se'], _ = hutchinson(matvec, n, trace, seed, params[0].device, progress=progress)
+        dev = params[0].device
+        out['trace'], out['trace_se'] = (
+            xtrace(matvec, n, trace, seed, dev, batch) if trace_estimator == 'xtrace' else
+            hutchpp(matvec, n, trace, seed, dev, batch) if trace_estimator == 'hutchpp' else
+            hutchinson(matvec, n, trace, seed, dev, batch, progress=progress)[:2])
+        out['trace_estimator'] = trace_estimator
     if density:
-        nodes, weights = slq(matvec, n, iters, density, seed, params[0].device)
+        nodes, weights = slq(matvec, n, iters, density, seed, params[0].device, batch=batch)
         out['density'] = dict(nodes=nodes.tolist(), weights=weights.tolist())
     return out
 
@@ -198,53 +285,126 @@ def rademacher(n, gen, device):  # +-1 with probability 1/2 each, float64, from 
     return (torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64) * 2 - 1).to(device)
 
 
-def hutchinson(matvec, n, samples=100, seed=0, device='cpu', *, progress=None):
+def chunks(matvec, Z, batch=1):  # (i, H z_i.. for `batch` rows of Z from row i): one backward, one all-reduce each
+    for i in range(0, len(Z), batch):
+        c = Z[i:i + batch].double()
+        yield i, matvec(c) if len(c) > 1 else matvec(c[0])[None]
+
+
+def block_products(matvec, Z, batch=1):  # H z for each row z of Z, float64, `batch` rows per call of matvec
+    return torch.cat([hz for _, hz in chunks(matvec, Z, batch)])
+
+
+def hutchinson(matvec, n, samples=100, seed=0, device='cpu', batch=1, *, progress=None):
     """tr H ~ mean_i z_i^T H z_i, z_i Rademacher (Hutchinson 1990; PyHessian's `trace`): unbiased, variance
-    2 (||H||_F^2 - sum_i H_ii^2) per probe. -> (estimate, its standard error std(z^T H z) / sqrt(samples), the
-    samples)."""
+    2 (||H||_F^2 - sum_i H_ii^2) per probe. batch: probes per product call (the same probes, as many products).
+    -> (estimate, its standard error std(z^T H z) / sqrt(samples), the samples)."""
     gen, vals = torch.Generator().manual_seed(seed), []
-    for i in range(samples):
-        z = rademacher(n, gen, device)
-        vals.append((z @ matvec(z)).item())
+    for i in range(0, samples, batch):
+        Z = torch.stack([rademacher(n, gen, device) for _ in range(min(batch, samples - i))])
+        vals += (Z * block_products(matvec, Z, batch)).sum(1).tolist()
         if progress:
-            progress(f'Hutchinson {i + 1}/{samples} | trace {sum(vals) / len(vals):.6g}')
+            progress(f'Hutchinson {len(vals)}/{samples} | trace {sum(vals) / len(vals):.6g}')
     t = torch.tensor(vals, dtype=torch.float64)
     return t.mean().item(), (t.std() / math.sqrt(samples)).item() if samples > 1 else math.inf, vals
 
 
-def hutchpp(matvec, n, products=99, seed=0, device='cpu'):
+def hutchpp(matvec, n, products=99, seed=0, device='cpu', batch=1):
     """Hutch++ (Meyer, Musco, Musco & Woodruff, SOSA 2021, Alg. 1): m = products / 3 probes S; Q = orth(H S);
     tr H = tr(Q^T H Q) + Hutchinson on (I - QQ^T) H (I - QQ^T) with m more probes: the top of the spectrum
-    exactly, the rest sampled. -> (estimate, the standard error of its sampled part)."""
+    exactly, the rest sampled. -> (estimate, standard error). The standard error covers the whole estimate:
+    E[estimate | Q] = tr(Q^T H Q) + tr((I - QQ^T) H) = tr H for every Q, so Var(estimate) = E[Var(estimate | Q)],
+    which the sampled part's variance / m estimates without bias (tested: its mean square equals the variance over
+    seeds; a single s.e. is noisy where Q sometimes misses an outlier, and then more often too small than too large)."""
     m, gen = products // 3, torch.Generator().manual_seed(seed)
-    Q = torch.linalg.qr(torch.stack([matvec(rademacher(n, gen, device)) for _ in range(m)], dim=1))[0]  # (n, m)
-    top = sum((q @ matvec(q)).item() for q in Q.T)
-    vals = []
-    for _ in range(m):
-        z = rademacher(n, gen, device)
-        z = z - Q @ (Q.T @ z)
-        vals.append((z @ matvec(z)).item())
-    t = torch.tensor(vals, dtype=torch.float64)
+    S = torch.stack([rademacher(n, gen, device) for _ in range(m)])
+    Q = torch.linalg.qr(block_products(matvec, S, batch).T)[0]  # (n, m)
+    top = (Q.T * block_products(matvec, Q.T, batch)).sum().item()
+    Z = torch.stack([rademacher(n, gen, device) for _ in range(m)])
+    Z -= (Z @ Q) @ Q.T
+    t = (Z * block_products(matvec, Z, batch)).sum(1)
     return top + t.mean().item(), (t.std() / math.sqrt(m)).item()
 
 
+def xtrace(matvec, n, products=100, seed=0, device='cpu', batch=1, dtype=torch.float64):
+    """XTrace (Epperly, Tropp & Webber, SIAM J. Matrix Anal. Appl. 45(1), 2024; arXiv:2301.07825, Sec. 2): every
+    one of the m = products / 2 test vectors serves both the low-rank part and the sampled part. omega_i uniform on
+    the sphere of radius sqrt(n), Y = H Omega = Q R; Q_(i) an orthonormal basis of the columns of Y but the i-th;
+        t_i = tr(Q_(i)^T H Q_(i)) + omega_i^T (I - Q_(i) Q_(i)^T) H (I - Q_(i) Q_(i)^T) omega_i
+    is unbiased (omega_i is independent of Q_(i)), and so is the estimate, their mean; the paper's error estimate is
+    their standard error, (sum_i (t_i - t)^2 / (m (m - 1)))^(1/2). Efficiently (its Sec. 2.2): Q_(i) Q_(i)^T =
+    Q (I - s_i s_i^T) Q^T, s_i the unit i-th column of R^-T (the direction of range(Y) orthogonal to every other
+    column of Y), so m more products H Q give every t_i; the paper's normalisation (its "improved" XTrace) rescales
+    each (I - Q_(i) Q_(i)^T) omega_i to the norm sqrt(n - m + 1) of a uniform vector of that complement.
+    Memory: two (m, n) blocks of `dtype` (float32 for an fp32 model halves it). -> (estimate, standard error)."""
+    m, gen = products // 2, torch.Generator().manual_seed(seed)
+    if m < 2:
+        raise ValueError(f'xtrace needs products >= 4 (two test vectors at least), got {products}')
+    Om = torch.randn(m, n, generator=gen, dtype=torch.float64)
+    Om = (Om * (math.sqrt(n) / Om.norm(dim=1, keepdim=True))).to(device, dtype)  # rows: the test vectors
+    Y, omy = torch.empty_like(Om), torch.empty(m, dtype=torch.float64, device=device)
+    for i, hz in chunks(matvec, Om, batch):
+        Y[i:i + len(hz)], omy[i:i + len(hz)] = hz, (hz * Om[i:i + len(hz)]).sum(1)  # omega_i^T H omega_i
+    Q, R = torch.linalg.qr(Y.T)  # (n, m), (m, m)
+    del Y
+    G = torch.empty(m, m, dtype=torch.float64, device=device)  # Q^T H Q
+    for i, hq in chunks(matvec, Q.T, batch):
+        G[i:i + len(hq)] = (hq.to(dtype) @ Q).double()
+    G, W, R = (G + G.T).cpu() / 2, (Om @ Q).T.double().cpu(), R.double().cpu()  # W = Q^T Omega: column i w_i
+    S = torch.linalg.inv(R).T
+    S /= S.norm(dim=0, keepdim=True)  # s_i: the columns
+    sw = (S * W).sum(0)  # s_i^T w_i
+    C = W - S * sw  # c_i: the coordinates in Q of Q_(i) Q_(i)^T omega_i
+    scale = (n - m + 1) / (n - (C * C).sum(0))  # the normalisation, squared: (n - m + 1) / ||(I - P_i) omega_i||^2
+    low = G.trace() - (S * (G @ S)).sum(0)  # tr(Q_(i)^T H Q_(i))
+    # (I - P_i) omega_i = omega_i - Q c_i: its quadratic form by H, from H omega_i = y_i, Q^T y_i = r_i and G
+    rest = omy.cpu() - 2 * (C * R).sum(0) + (C * (G @ C)).sum(0)
+    t = low + scale * rest
+    return t.mean().item(), (t.std() / math.sqrt(m)).item()
+
+
 # ----------------------------------------------------------------------------- density
-def slq(matvec, n, steps=80, probes=1, seed=0, device='cpu', vectors=None):
+def slq(matvec, n, steps=80, probes=1, seed=0, device='cpu', vectors=None, batch=1):
     """Spectral density by stochastic Lanczos quadrature (Ghorbani et al. 2019, Sec. 3; Lin, Saad & Yang 2016):
     per probe v (Rademacher, normalised), `steps` Lanczos steps with full reorthogonalisation give T; its
     eigenvalues are the quadrature nodes and the squared first entries of its eigenvectors the weights, so that
     sum_i w_i f(theta_i) = v^T f(H) v exactly for polynomials f of degree < 2 steps. Averaged over probes the
     weights sum to 1 and sum_i w_i theta_i^p estimates tr(H^p) / n. vectors: given probes (a list of flat
-    vectors) instead. -> (nodes, weights): flat float64 CPU tensors, PyHessian's eigen_list / weight_list."""
+    vectors) instead. batch: probes run in lockstep, their products `batch` per call (memory: `batch` bases).
+    -> (nodes, weights): flat float64 CPU tensors, PyHessian's eigen_list / weight_list."""
     gen = torch.Generator().manual_seed(seed)
     vectors = vectors if vectors is not None else [rademacher(n, gen, device) for _ in range(probes)]
     nodes, weights = [], []
-    for v in vectors:
-        r = lanczos(matvec, v, k=1, steps=steps, tol=0.0)  # tol 0: every step, or to an invariant subspace
-        theta, s = torch.linalg.eigh(tridiagonal(r['alpha'], r['beta']))
-        nodes.append(theta)
-        weights.append(s[0] ** 2 / len(vectors))
+    for i in range(0, len(vectors), batch):
+        for alpha, beta in lanczos_steps(matvec, torch.stack(vectors[i:i + batch]), steps):
+            theta, s = torch.linalg.eigh(tridiagonal(alpha, beta))
+            nodes.append(theta)
+            weights.append(s[0] ** 2 / len(vectors))
     return torch.cat(nodes), torch.cat(weights)
+
+
+def lanczos_steps(matvec, V0, steps):
+    """Lanczos with full reorthogonalisation from each row of V0 at once (lanczos' recurrence, every step; a run
+    that reaches an invariant subspace stops there), one product call per step for the runs still going.
+    -> [(alpha, beta)] per row: T's diagonals."""
+    b, n = V0.shape
+    V = torch.empty(b, min(steps, n) + 1, n, dtype=torch.float64, device=V0.device)
+    V[:, 0] = V0 / V0.norm(dim=1, keepdim=True)
+    runs, going = [([], []) for _ in range(b)], list(range(b))
+    for j in range(min(steps, n)):
+        W = matvec(V[going, j]) if len(going) > 1 else matvec(V[going[0], j])[None]
+        for w, r in zip(W, list(going)):
+            alpha, beta = runs[r]
+            alpha.append((w @ V[r, j]).item())
+            orthogonalise_(w, V[r, :j + 1])
+            beta.append(w.norm().item())
+            if beta[-1] <= 1e-12 * max(abs(a) for a in alpha) or j + 1 == min(steps, n):
+                going.remove(r)  # an invariant subspace (T's eigenvalues are H's), or the last step
+            else:
+                V[r, j + 1] = w / beta[-1]
+        if not going:
+            break
+    return [(alpha, beta[:-1]) for alpha, beta in runs]
 
 
 def density_curve(nodes, weights, grid, sigma):

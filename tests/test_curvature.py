@@ -1,0 +1,228 @@
+"""hessian.py beyond the top eigenvalue (issue 46): the bottom of the spectrum and eigenvectors, batched products,
+the Gauss-Newton operator, XTrace and Hutch++, the scipy LinearOperator wrapper of docs/geometry.md, and each
+anchor library's defect shown on its own way beside ours. Oracles: full float64 Hessians by
+torch.func.jacrev(torch.func.grad(loss)) (checked against central differences in test_hessian.py), the GGN from
+the Jacobian of the logits by torch.autograd.functional.jacobian (a loop of plain backward passes, no vmap) and the
+closed-form Hessian of the cross-entropy in the logits, torch.linalg.eigh, explicit matrices with a known trace."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import hessian
+
+pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
+
+
+def layernorm_net():  # the LayerNorm's input depends on the first layer's weights (what the vmapped rule gets wrong)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3))
+    nn.init.normal_(model[1].weight)
+    nn.init.normal_(model[1].bias)
+    return model
+
+
+def batchnorm_net():  # BatchNorm in eval mode with drawn statistics, between a conv and a linear head
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 3))
+    model[1].running_mean.uniform_(-0.5, 0.5)
+    model[1].running_var.uniform_(0.5, 2)
+    nn.init.normal_(model[1].weight)
+    return model
+
+
+NETS = {'layernorm': (layernorm_net, (4,)), 'batchnorm': (batchnorm_net, (3, 5, 5))}
+
+
+def loss_of_flat(model, x, y, loss_fn=F.cross_entropy):  # the mean loss as a function of the flat weights
+    names, shapes = [n for n, _ in model.named_parameters()], [p.shape for p in model.parameters()]
+
+    def f(w):
+        ws = {n: t.view(s) for n, t, s in zip(names, w.split([s.numel() for s in shapes]), shapes)}
+        return loss_fn(functional_call(model, ws, (x,)), y)
+    return f
+
+
+def flat(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def problem(name, dtype=torch.float64, seed=0):
+    """(model in eval mode, batches of unequal sizes (7 + 5 images), the full Hessian of the mean loss, the GGN)."""
+    torch.manual_seed(seed)
+    make, shape = NETS[name]
+    model = make().to(dtype).eval()
+    x, y = torch.randn(12, *shape, dtype=dtype), torch.randint(0, 3, (12,))
+    with sdpa_kernel(SDPBackend.MATH):
+        H = torch.func.jacrev(torch.func.grad(loss_of_flat(model, x, y)))(flat(model))
+    names, shapes = [n for n, _ in model.named_parameters()], [p.shape for p in model.parameters()]
+    logits = lambda w: functional_call(model, {n: t.view(s) for n, t, s in zip(  # noqa: E731
+        names, w.split([s.numel() for s in shapes]), shapes)}, (x,))
+    J = torch.autograd.functional.jacobian(logits, flat(model))  # (12, 3, P), by plain backward passes
+    p = logits(flat(model)).softmax(-1).detach()
+    H_out = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]  # d^2 CE / d logits^2, per image
+    GGN = torch.einsum('nip,nij,njq->pq', J, H_out, J) / len(x)
+    return model, [(x[:7], y[:7]), (x[7:], y[7:])], H, GGN
+
+
+@pytest.fixture(scope='module', params=sorted(NETS))
+def case(request):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield request.param, *problem(request.param)
+    torch.set_num_threads(n)
+
+
+def test_the_oracles_are_symmetric_and_indefinite(case):
+    _, _, _, H, GGN = case
+    eig = torch.linalg.eigvalsh(H)
+    assert (H - H.T).abs().max() <= 1e-12 * H.abs().max() and eig[0] < -1e-3 * eig[-1] < 0 < eig[-1]
+    assert (GGN - GGN.T).abs().max() <= 1e-12 * GGN.abs().max()
+    assert torch.linalg.eigvalsh(GGN)[0] >= -1e-12 * GGN.abs().max()  # positive semi-definite
+
+
+# ----------------------------------------------------------------------------- the bottom, eigenvectors
+def test_bottom_k_and_eigenvectors_equal_eigh(case):
+    """which='SA': the 3 smallest algebraic eigenvalues to 1e-8 (the bottom of an indefinite spectrum); the Ritz
+    vectors of both ends orthonormal with residuals ||H y - lambda y|| <= 1e-7 max |lambda| and aligned with eigh's."""
+    _, model, batches, H, _ = case
+    eig, U = torch.linalg.eigh(H)
+    matvec, n = hessian.hvp_operator(model, F.cross_entropy, batches)
+    v0 = hessian.start_vector(list(model.parameters()))
+    for which, want, cols in (('SA', eig[:3], U[:, :3]), ('LA', eig.flip(0)[:3], U.flip(1)[:, :3])):
+        got = hessian.lanczos(matvec, v0, k=3, steps=n, tol=1e-10, which=which, vectors=True)
+        assert got['eigenvalues'] == pytest.approx(want.tolist(), rel=1e-8, abs=1e-12)
+        Y, lam = got['vectors'], torch.tensor(got['eigenvalues'], dtype=torch.float64)
+        assert (Y @ H - lam[:, None] * Y).norm(dim=1).max() <= 1e-7 * eig.abs().max()
+        assert torch.allclose(Y @ Y.T, torch.eye(3, dtype=torch.float64), atol=1e-8)
+        assert (Y @ cols).diagonal().abs().tolist() == pytest.approx([1.0] * 3, abs=1e-6)
+
+
+@pytest.mark.parametrize('which', ['la', 'BE', 'SM', None])
+def test_lanczos_refuses_an_unknown_which(which):
+    with pytest.raises(ValueError, match="'LA', 'SA', 'LM'|LA, SA, LM"):
+        hessian.lanczos(lambda v: v, torch.ones(4, dtype=torch.float64), which=which)
+
+
+# ----------------------------------------------------------------------------- batched products, the GGN
+@pytest.mark.parametrize('mode', ['reverse', 'cached', 'forward', 'ggn'])
+def test_batched_products_equal_single_products_and_the_oracle(case, mode):
+    """k = 5 vectors as the rows of one (5, P) block through one backward (vmapped: is_grads_batched; 'forward'
+    and the GGN: torch.func.vmap) equal to the full float64 matrix times each (1e-12), and in float32 to the five
+    single products to fp32 rounding (1e-5 of the largest entry)."""
+    name, model, batches, H, GGN = case
+    make = (lambda m, b: hessian.ggn_operator(m, b)) if mode == 'ggn' else \
+        (lambda m, b: hessian.hvp_operator(m, F.cross_entropy, b, mode=mode))
+    matvec, n = make(model, batches)
+    V = torch.randn(5, n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = V @ (GGN if mode == 'ggn' else H)
+    assert torch.allclose(matvec(V), want, rtol=0, atol=1e-12 * want.abs().max().item())
+    assert torch.allclose(matvec(V[2]), want[2], rtol=0, atol=1e-12 * want.abs().max().item())
+    model32, batches32 = model.float(), [(x.float(), y) for x, y in batches]
+    try:
+        matvec, _ = make(model32, batches32)
+        single, block = torch.stack([matvec(v) for v in V]), matvec(V)
+        assert torch.allclose(block, single, rtol=0, atol=1e-5 * single.abs().max().item())
+    finally:
+        model.double()
+
+
+def test_ggn_of_a_linear_model_is_its_hessian():
+    """Closed form: a linear model's logits have no curvature in the weights, so G = H (Martens 2020, Sec. 8.1)."""
+    torch.manual_seed(0)
+    model, x, y = nn.Linear(5, 3).double(), torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 3, (9,))
+    H = torch.func.jacrev(torch.func.grad(loss_of_flat(model, x, y)))(flat(model))
+    matvec, n = hessian.ggn_operator(model, [(x, y)])
+    assert torch.allclose(matvec(torch.eye(n, dtype=torch.float64)), H, rtol=0, atol=1e-13)
+
+
+def test_block_of_the_ggn_equals_the_sub_matrix(case):
+    _, model, batches, _, GGN = case
+    first = list(model.parameters())[:2]
+    k = sum(p.numel() for p in first)
+    matvec, n = hessian.ggn_operator(model, batches, first)
+    assert n == k and torch.allclose(matvec(torch.eye(k, dtype=torch.float64)), GGN[:k, :k], rtol=0,
+                                     atol=1e-12 * GGN.abs().max().item())
+
+
+# ----------------------------------------------------------------------------- trace estimators
+def decaying(n=120, seed=0):  # an explicit symmetric matrix with a decaying spectrum (a Hessian's outliers and bulk)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))[0]
+    lam = 100 / torch.arange(1, n + 1, dtype=torch.float64) ** 1.5 * torch.where(torch.arange(n) % 7 == 3, -1, 1)
+    return q @ torch.diag(lam) @ q.T
+
+
+def spread(estimator, A, products, seeds=200):  # (estimates, standard errors) over seeds
+    est, se = zip(*[estimator(lambda v: v @ A, len(A), products, s)[:2] for s in range(seeds)])
+    return torch.tensor(est, dtype=torch.float64), torch.tensor(se, dtype=torch.float64)
+
+
+@pytest.mark.parametrize('which', ['matrix', 'hessian'])
+def test_xtrace_and_hutchpp_are_unbiased_with_honest_errors_and_xtrace_beats_hutchinson(which, case):
+    """Over 200 seeds at 24 products: the mean within 3 standard errors of tr A (unbiased), the reported standard
+    error's root mean square within 2x of the spread over seeds (the error estimate describes the estimate; Hutch++:
+    its s.e. covers the whole estimate), and XTrace's spread below Hutchinson's at the same products (a decaying
+    spectrum; the explicit matrix: more than 2x). A: a decaying indefinite matrix, or a net's float64 Hessian."""
+    if which == 'hessian' and case[0] != 'layernorm':
+        pytest.skip('one Hessian is enough here')
+    A = decaying() if which == 'matrix' else case[3]
+    exact = A.trace().item()
+    hu, _ = spread(lambda *a: hessian.hutchinson(*a), A, 24)
+    for estimator in (hessian.xtrace, hessian.hutchpp):
+        est, se = spread(estimator, A, 24)
+        assert abs(est.mean().item() - exact) <= 3 * est.std().item() / math.sqrt(len(est))
+        assert 0.5 <= se.pow(2).mean().sqrt().item() / est.std().item() <= 2
+    xt = spread(hessian.xtrace, A, 24)[0]
+    assert xt.std() < (0.5 if which == 'matrix' else 1) * hu.std()
+
+
+def test_xtrace_is_exact_when_the_products_span_the_matrix():
+    """A of rank 3 < m - 1 = 4 test vectors: every leave-one-out basis holds range(A), so each t_i = tr A."""
+    gen = torch.Generator().manual_seed(0)
+    B = torch.randn(40, 3, dtype=torch.float64, generator=gen)
+    A = B @ torch.diag(torch.tensor([5.0, -2.0, 1.0], dtype=torch.float64)) @ B.T
+    t, se = hessian.xtrace(lambda v: v @ A, 40, 10, seed=3)
+    assert t == pytest.approx(A.trace().item(), rel=1e-9) and se < 1e-9 * abs(t)
+    with pytest.raises(ValueError, match='products >= 4'):
+        hessian.xtrace(lambda v: v @ A, 40, 3)
+
+
+@pytest.mark.parametrize('batch', [1, 4])
+def test_spectrum_bottom_trace_density_and_ggn_from_hessian_spectrum(case, batch):
+    """hessian_spectrum's options against the oracle: lambda_min and |lambda_min| / lambda_max to 1e-8, XTrace's
+    tr H within 4 of its standard errors, the GGN's top eigenvalue, and batch = k equal to batch = 1."""
+    _, model, batches, H, GGN = case
+    eig, n = torch.linalg.eigvalsh(H), len(H)
+    got = hessian.hessian_spectrum(model, F.cross_entropy, batches, top_k=2, iters=n, tol=1e-10, trace=40,
+                                   density=3, bottom_k=2, trace_estimator='xtrace', batch=batch)
+    assert got['lambda_min'] == pytest.approx(eig[0].item(), rel=1e-8)
+    assert got['lambda_min_over_max'] == pytest.approx(abs(eig[0].item()) / eig[-1].item(), rel=1e-8)
+    assert abs(got['trace'] - H.trace().item()) <= 4 * got['trace_se'] and got['trace_estimator'] == 'xtrace'
+    ggn = hessian.hessian_spectrum(model, F.cross_entropy, batches, iters=n, tol=1e-10, curvature='ggn')
+    assert ggn['lambda_max'] == pytest.approx(torch.linalg.eigvalsh(GGN)[-1].item(), rel=1e-8)
+    one = hessian.hessian_spectrum(model, F.cross_entropy, batches, top_k=2, iters=n, tol=1e-10, trace=40,
+                                   density=3, bottom_k=2, trace_estimator='xtrace')
+    for key in ('trace', 'trace_se'):
+        assert got[key] == pytest.approx(one[key], rel=1e-10)
+    assert got['density']['nodes'] == pytest.approx(one['density']['nodes'], rel=1e-8, abs=1e-10)
+    assert got['density']['weights'] == pytest.approx(one['density']['weights'], rel=1e-8, abs=1e-12)
+
+
+def test_scipy_linear_operator_wrapper_of_the_docs(case):
+    """The three lines of docs/geometry.md: scipy's eigsh on our operator gives eigh's extremes (scipy is
+    installed, the leaf does not import it)."""
+    np = pytest.importorskip('numpy')
+    from scipy.sparse.linalg import LinearOperator, eigsh
+    _, model, batches, H, _ = case
+    matvec, n = hessian.hvp_operator(model, F.cross_entropy, batches)
+    # --- as in the docs
+    op = LinearOperator((n, n), dtype=np.float64, matvec=lambda v: matvec(torch.from_numpy(v).ravel()).numpy(),
+                        matmat=lambda V: matvec(torch.from_numpy(V.T.copy())).numpy().T)
+    # ---
+    top = eigsh(op, k=2, which='LA', tol=1e-12, return_eigenvectors=False)
+    assert sorted(top) == pytest.approx(torch.linalg.eigvalsh(H)[-2:].tolist(), rel=1e-8)
+    assert torch.allclose(torch.from_numpy(op @ np.eye(n)[:, :3]), H[:, :3], rtol=0, atol=1e-12 * H.abs().max().item())
