@@ -138,7 +138,7 @@ def test_hutchinson_within_three_standard_errors_and_its_error_shrinks_as_one_ov
 
 def test_hutchpp_is_unbiased_with_fewer_errors_on_a_decaying_spectrum():
     """Hutch++ on an explicit matrix with a few large eigenvalues (a Hessian's outliers): the same products, a
-    smaller spread over seeds than Hutchinson's (measured here: the README's comparison)."""
+    smaller spread over seeds than Hutchinson's (measured here: docs/geometry.md's comparison)."""
     torch.manual_seed(0)
     q = torch.linalg.qr(torch.randn(60, 60, dtype=torch.float64))[0]
     A = q @ torch.diag(torch.cat([torch.tensor([50., 30, 20, 10], dtype=torch.float64),
@@ -273,9 +273,9 @@ def test_hessian_batch_is_sized_from_the_free_memory(cifar10_dir, tmp_path, monk
         G.main(common)
 
 
-def test_readme_ntk_commands_run_on_this_cpu(cifar10_dir, tmp_path):
-    """Every `python geometry.py ntk ... --data DIR` of the README, as written (DIR: the CIFAR-10 copy)."""
-    cmds = [line.split('#')[0].split()[2:] for line in (REPO / 'README.md').read_text().splitlines()
+def test_docs_ntk_commands_run_on_this_cpu(cifar10_dir, tmp_path):
+    """Every `python geometry.py ntk ... --data DIR` of docs/geometry.md, as written (DIR: the CIFAR-10 copy)."""
+    cmds = [line.split('#')[0].split()[2:] for line in (REPO / 'docs' / 'geometry.md').read_text().splitlines()
             if re.match(r'python geometry.py ntk .*--data DIR', line)]
     assert cmds
     for i, argv in enumerate(cmds):

@@ -403,7 +403,7 @@ def test_vit_input_that_does_not_divide_into_patches_is_an_error():
 
 
 def test_headless_and_named_configs_refuse_a_negative_class_count():
-    """create() passes num_classes through: the README's example fails with the reason; 0 is still headless."""
+    """create() passes num_classes through: docs/models.md's example fails with the reason; 0 is still headless."""
     for module, name in ((vit, 'vit_ti16'), (convmixer, 'convmixer_256_8'), (mixer, 'mixer_s16')):
         with torch.device('meta'):
             assert isinstance(module.create(name, num_classes=0).head, torch.nn.Identity), name
@@ -412,7 +412,7 @@ def test_headless_and_named_configs_refuse_a_negative_class_count():
 
 
 def test_convmixer_input_smaller_than_a_patch_is_a_clear_error():
-    """The README's promise: a ValueError that says why, not the conv's 'kernel size can't be greater'."""
+    """docs/models.md's promise: a ValueError that says why, not the conv's 'kernel size can't be greater'."""
     model = convmixer.create('convmixer_256_8', depth=1).eval()
     with pytest.raises(ValueError, match=r'input of 1x1 px is smaller than one 2 px patch'):
         model(torch.randn(1, 3, 1, 1))
