@@ -1,0 +1,189 @@
+"""hessian.py beside the curvature libraries people use, on one model, one batch of images and one start vector:
+`geometry.py hessian --compare pyhessian curvlinops eigenthings` (issue 46). Each library is imported here only, and
+only when named: PyHessian 0.1 (pip install pyhessian==0.1), curvlinops-for-pytorch 3.0.1 (pip install
+curvlinops-for-pytorch==3.0.1), hessian-eigenthings 1.0.0a5 (pip install hessian-eigenthings==1.0.0a5); a missing
+one is named in one line. What is measured for each (the reference: our Lanczos to a residual of 1e-10 |lambda|, a
+float64 basis over the fp32 products):
+- ours: products until the top-1 and the top-5 eigenvalues meet a residual <= reach |lambda| (Lanczos), their
+  largest relative error; lambda_min (which='SA'); tr H by XTrace and by Hutchinson at `probes` products;
+- curvlinops: its product beside ours (relative error: jvp of jacrev, wrong with LayerNorm, tests/test_curvature.py),
+  scipy's eigsh on its operator (products until top-1 / top-5 at tol = reach, their errors);
+- eigenthings: deflated power iteration (k = 5): products, each eigenvalue's flag `converged`, its true residual
+  ||H v - lambda v|| (our product) and its distance to the nearest reference eigenvalue;
+- pyhessian: trace() (probes it used of `probes`, its estimate), eigenvalues(top_n=5) (products, values);
+- per vector, seconds of `batch` vectors through one product call: ours single, ours batched, curvlinops' batched
+  (median of `reps`, CPU seconds of this process; wall after a synchronize on CUDA)."""
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import hessian
+from utils import UserError
+
+PACKAGES = {'pyhessian': 'pyhessian==0.1', 'curvlinops': 'curvlinops-for-pytorch==3.0.1',
+            'eigenthings': 'hessian-eigenthings==1.0.0a5'}
+
+
+def require(name):  # the anchor's module, or one line naming what to install
+    try:
+        return __import__({'eigenthings': 'hessian_eigenthings'}.get(name, name))
+    except ImportError:
+        raise UserError(f'--compare {name} needs {PACKAGES[name]}: pip install {PACKAGES[name]}') from None
+
+
+def counted(matvec):  # (matvec that counts its products, the count so far as a one-item list)
+    count = [0]
+
+    def f(v):
+        count[0] += 1 if v.dim() == 1 else len(v)
+        return matvec(v)
+    return f, count
+
+
+def worst(got, want):  # the largest relative error of the eigenvalues `got` against the reference `want`
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want))
+
+
+def clock(cuda):  # CPU seconds of this process (wall after a synchronize on CUDA)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() if cuda else time.process_time()
+
+
+def reference(matvec, v0):
+    """Our Lanczos to a residual of 1e-10 |lambda|: the top 5, the bottom 1, the 5 largest in magnitude."""
+    run = lambda k, which: hessian.lanczos(matvec, v0, k, 400, 1e-10, which)['eigenvalues']  # noqa: E731
+    return dict(top=run(5, 'LA'), bottom=run(1, 'SA')[0], magnitude=run(5, 'LM'))
+
+
+def ours(matvec, n, v0, ref, reach, probes, seed):
+    row = {}
+    for k in (1, 5):
+        f, count = counted(matvec)
+        r = hessian.lanczos(f, v0, k, 400, reach)
+        row[f'top{k}'] = dict(products=count[0], error=worst(r['eigenvalues'], ref['top'][:k]))
+    row['lambda_min'] = hessian.lanczos(matvec, v0, 1, 400, reach, 'SA')['eigenvalues'][0]
+    row['trace_xtrace'] = hessian.xtrace(matvec, n, probes, seed)
+    row['trace_hutchinson'] = hessian.hutchinson(matvec, n, probes, seed)[:2]
+    return row
+
+
+def curvlinops_row(model, x, y, params, matvec, v0, ref, reach):
+    curvlinops = require('curvlinops')
+    from scipy.sparse.linalg import LinearOperator, eigsh
+    op = curvlinops.HessianLinearOperator(model, torch.nn.CrossEntropyLoss(), params, [(x, y)],
+                                          check_deterministic=False)
+    ours_v = matvec(v0)
+    theirs = (op @ v0.to(params[0].dtype)).double()
+    row = dict(product_error=((theirs - ours_v).abs().max() / ours_v.abs().max()).item())
+    sp = op.to_scipy()
+    for k in (1, 5):
+        count = [0]
+
+        def mv(V):
+            count[0] += 1 if V.ndim == 1 else V.shape[1]
+            return sp @ V
+        lam = eigsh(LinearOperator(sp.shape, matvec=mv, matmat=mv, dtype=sp.dtype), k=k, which='LA', tol=reach,
+                    v0=v0.cpu().numpy(), return_eigenvectors=False)
+        row[f'top{k}'] = dict(products=count[0], error=worst(sorted(lam.tolist(), reverse=True), ref['top'][:k]))
+    return row, op
+
+
+def eigenthings_row(model, x, y, matvec, ref, reach, seed):
+    et = require('eigenthings')
+    op = et.HessianOperator(model, [(x, y)], et.supervised_loss(F.cross_entropy))
+    r = et.deflated_power_iteration(op, k=5, max_iter=100, tol=reach, seed=seed)
+    known = torch.tensor(ref['top'] + ref['magnitude'] + [ref['bottom']], dtype=torch.float64)
+    pairs = []
+    for lam, v, conv in zip(r.eigenvalues.tolist(), r.eigenvectors, r.converged.tolist()):
+        v = v.double()
+        pairs.append(dict(eigenvalue=lam, converged=conv, residual=(matvec(v) - lam * v).norm().item(),
+                          distance=(known - lam).abs().min().item()))
+    return dict(products=r.iterations, pairs=pairs)
+
+
+def pyhessian_row(model, x, y, seed, probes, reach):
+    pyhessian = require('pyhessian')
+    module = sys.modules['pyhessian.hessian']  # (the package's `hessian` attribute is the class)
+    count, hvp = [0], module.hessian_vector_product
+
+    def counting(*a):  # its products, counted where its hessian.py calls them
+        count[0] += 1
+        return hvp(*a)
+    module.hessian_vector_product = counting
+    try:
+        ph = pyhessian.hessian(model, F.cross_entropy, data=(x, y), cuda=x.is_cuda)
+        torch.manual_seed(seed)
+        tr = ph.trace(maxIter=probes, tol=1e-3)
+        count[0], row = 0, dict(trace=dict(probes=len(tr), estimate=sum(tr) / len(tr)))
+        torch.manual_seed(seed)
+        row['top5'] = dict(eigenvalues=ph.eigenvalues(maxIter=100, tol=reach, top_n=5)[0], products=count[0])
+    finally:
+        module.hessian_vector_product = hvp
+        for p in model.parameters():  # it leaves the create_graph gradient (and its graph) in .grad
+            p.grad = None
+    return row
+
+
+def per_vector(products, reps, cuda):
+    """{name: median seconds per vector} of each (function, vectors it multiplies), timed in alternating order."""
+    times = {k: [] for k in products}
+    for r in range(reps):
+        for k in list(products)[::1 if r % 2 else -1]:
+            fn, count = products[k]
+            t0 = clock(cuda)
+            fn()
+            times[k].append((clock(cuda) - t0) / count)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def compare(model, x, y, names, seed=0, probes=100, reach=1e-4, batch=8, reps=5, say=print):
+    """The side-by-side of the module's docstring on the images (x, y) as one batch (the model in eval mode)."""
+    for name in names:
+        require(name)  # every one named is there before any work
+    params = [p for p in model.parameters() if p.requires_grad]
+    with sdpa_kernel(SDPBackend.MATH):  # (the fused attention kernels have no double backward)
+        matvec, n = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
+        v0 = hessian.start_vector(params, seed)
+        ref = reference(matvec, v0)
+        out = dict(reference=ref, reach=reach, probes=probes, images=len(x), params=n,
+                   ours=ours(matvec, n, v0, ref, reach, probes, seed))
+        V = torch.randn(batch, n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(v0.device)
+        timed = {'ours, one vector': (lambda: [matvec(v) for v in V], batch),
+                 f'ours, {batch} vectors per call': (lambda: matvec(V), batch)}
+        if 'curvlinops' in names:
+            out['curvlinops'], op = curvlinops_row(model, x, y, params, matvec, v0, ref, reach)
+            M = V.T.to(params[0].dtype).contiguous()
+            timed[f'curvlinops, {batch} vectors per call'] = (lambda: op @ M, batch)
+        if 'eigenthings' in names:
+            out['eigenthings'] = eigenthings_row(model, x, y, matvec, ref, reach, seed)
+        if 'pyhessian' in names:
+            out['pyhessian'] = pyhessian_row(model, x, y, seed, probes, reach)
+        out['seconds_per_vector'] = per_vector(timed, reps, x.is_cuda)
+    say(f"  compare | reference: top-5 {', '.join(f'{e:.6g}' for e in ref['top'])} | lambda_min {ref['bottom']:.6g}")
+    o = out['ours']
+    say(f"  compare | ours Lanczos: top-1 in {o['top1']['products']}, top-5 in {o['top5']['products']} products "
+        f"(errors {o['top1']['error']:.1e}, {o['top5']['error']:.1e}) | tr H: XTrace {o['trace_xtrace'][0]:.6g} +- "
+        f"{o['trace_xtrace'][1]:.2g}, Hutchinson {o['trace_hutchinson'][0]:.6g} +- {o['trace_hutchinson'][1]:.2g} "
+        f'({probes} products each)')
+    if 'curvlinops' in out:
+        c = out['curvlinops']
+        say(f"  compare | curvlinops: its product vs ours, relative {c['product_error']:.1e} | eigsh top-1 in "
+            f"{c['top1']['products']}, top-5 in {c['top5']['products']} products (errors {c['top1']['error']:.1e}, "
+            f"{c['top5']['error']:.1e})")
+    if 'eigenthings' in out:
+        e = out['eigenthings']
+        say(f"  compare | eigenthings: deflated power iteration, {e['products']} products | " + '; '.join(
+            f"{p['eigenvalue']:.6g} {'converged' if p['converged'] else 'not converged'} (true residual "
+            f"{p['residual']:.2g}, {p['distance']:.2g} from the nearest reference)" for p in e['pairs']))
+    if 'pyhessian' in out:
+        p = out['pyhessian']
+        say(f"  compare | PyHessian: trace() used {p['trace']['probes']} of {probes} probes: {p['trace']['estimate']:.6g}"
+            f" | eigenvalues(top_n=5) in {p['top5']['products']} products: "
+            + ', '.join(f'{e:.6g}' for e in p['top5']['eigenvalues']))
+    say('  compare | seconds per vector: ' + ', '.join(f'{k} {s:.4f}' for k, s in out['seconds_per_vector'].items()))
+    return out
