@@ -182,8 +182,8 @@ def compare(model, x, y, names, seed=0, probes=100, reach=1e-4, batch=8, reps=5,
             f"{p['residual']:.2g}, {p['distance']:.2g} from the nearest reference)" for p in e['pairs']))
     if 'pyhessian' in out:
         p = out['pyhessian']
-        say(f"  compare | PyHessian: trace() used {p['trace']['probes']} of {probes} probes: {p['trace']['estimate']:.6g}"
-            f" | eigenvalues(top_n=5) in {p['top5']['products']} products: "
+        say(f"  compare | PyHessian: trace() used {p['trace']['probes']} of {probes} probes: "
+            f"{p['trace']['estimate']:.6g} | eigenvalues(top_n=5) in {p['top5']['products']} products: "
             + ', '.join(f'{e:.6g}' for e in p['top5']['eigenvalues']))
     say('  compare | seconds per vector: ' + ', '.join(f'{k} {s:.4f}' for k, s in out['seconds_per_vector'].items()))
     return out

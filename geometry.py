@@ -29,6 +29,7 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 import convmixer
 import data
 import figures
+import anchors
 import hessian
 import mixer
 import vit
@@ -203,16 +204,18 @@ def filter_normalized_directions(model, generator):
     return dirs
 
 
-def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, noise_device='cpu', *, progress=None):
+def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, noise_device='cpu', directions=None,
+                   *, progress=None):
     """The loss at w + a d1 (+ b d2) on `steps` points per axis in [-span, span], filter-normalised
     directions from `seed` (the same seed draws the same Gaussians for two models of one architecture).
     Eval mode; the model's weights are never touched (functional_call). Returns (coords (steps,),
     losses (steps,) or (steps, steps) indexed [a, b]). noise_device: where the Gaussians are drawn (a CUDA
-    generator: the same distribution, other numbers than the CPU's; the CPU default draws the same on every device)."""
+    generator: the same distribution, other numbers than the CPU's; the CPU default draws the same on every device).
+    directions: `dims` given directions instead (a tensor per parameter each: hessian_directions)."""
     if dims not in (1, 2):
         raise ValueError(f'dims must be 1 or 2, got {dims}')
     gen = torch.Generator(noise_device).manual_seed(seed)
-    dirs = [filter_normalized_directions(model, gen) for _ in range(dims)]
+    dirs = directions or [filter_normalized_directions(model, gen) for _ in range(dims)]
     # span * (2i - (steps - 1)) / (steps - 1) in float64: the middle point is exactly 0 (float32 linspace gave
     # -1.5e-8 there), and the grid is symmetric
     coords = torch.arange(steps, dtype=torch.float64).mul(2).sub(steps - 1).div(max(steps - 1, 1)).mul(span)
@@ -227,6 +230,22 @@ def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, 
             if progress and (k + 1) % steps == 0:
                 progress(f'landscape {k + 1}/{steps ** dims} points | {time.time() - start:.0f} s')
     return coords, losses
+
+
+def hessian_directions(model, path, dims):
+    """The first `dims` eigenvectors of `hessian --save-vectors` (PATH/hessian_vectors.pt, unit vectors over the
+    trainable parameters: the top of the spectrum first), a tensor per parameter each (zero where not measured)."""
+    try:
+        saved = torch.load(path, map_location='cpu', weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise UserError(f'--directions {path}: {one_line(e)}; pass the hessian_vectors.pt of hessian --save-vectors')
+    named = dict(model.named_parameters())
+    if set(saved['names']) - set(named) or len(saved['vectors']) < dims:
+        raise UserError(f'--directions {path}: its {len(saved["vectors"])} eigenvectors are not of this model\'s '
+                        f'parameters or fewer than --dims {dims} (hessian --top-k {dims} --save-vectors on it)')
+    sizes = [named[k].numel() for k in saved['names']]
+    return [[dict(zip(saved['names'], v.split(sizes))).get(k, torch.zeros(p.numel())).view_as(p).to(p)
+             for k, p in named.items()] for v in saved['vectors'][:dims]]
 
 
 def average_flatness(model, loss_fn, batches, sigma, samples, seed=0, noise_device='cpu', *, progress=None):
@@ -393,8 +412,18 @@ def get_args(argv=None):
     h = subs['hessian']
     h.add_argument('--top-k', type=int, default=1, help='largest algebraic eigenvalues, by Lanczos; the first is the '
                    "paper's lambda_max")
-    h.add_argument('--trace', type=int, nargs='?', const=100, default=0, metavar='PROBES', help='also tr H by '
-                   'Hutchinson with PROBES Rademacher vectors (PyHessian: 100), with its standard error')
+    h.add_argument('--trace', type=int, nargs='?', const=100, default=0, metavar='PRODUCTS', help='also tr H from '
+                   'PRODUCTS Hessian-vector products (PyHessian: 100) by --trace-estimator, with its standard error')
+    h.add_argument('--trace-estimator', default='xtrace', choices=['xtrace', 'hutchinson', 'hutchpp'], help='xtrace: '
+                   'Epperly, Tropp & Webber 2024, a smaller error than Hutchinson at equal products (docs/geometry.md)')
+    h.add_argument('--bottom-k', type=int, default=0, help='also the K smallest algebraic eigenvalues (lambda_min, '
+                   'and |lambda_min| / lambda_max), by a second Lanczos run')
+    h.add_argument('--curvature', default='hessian', choices=['hessian', 'ggn'], help='ggn: the Gauss-Newton matrix '
+                   'of the cross-entropy, J^T H_out J (positive semi-definite) instead of the Hessian')
+    h.add_argument('--save-vectors', action='store_true', help='also write the eigenvectors of --top-k (and '
+                   '--bottom-k) to OUT/hessian_vectors.pt (the first repeat, all parameters): landscape --directions')
+    h.add_argument('--vectors-per-call', type=int, default=1, metavar='K', help='--trace and --density multiply K '
+                   'vectors per call, through one (vmapped) backward: more memory, fewer passes')
     h.add_argument('--density', type=int, nargs='?', const=1, default=0, metavar='PROBES', help='also the spectral '
                    'density by stochastic Lanczos quadrature, PROBES runs of --iters steps (PyHessian: 1 of 100)')
     h.add_argument('--blocks', action='store_true', help='each of these for each block too (param_blocks)')
@@ -404,8 +433,10 @@ def get_args(argv=None):
     h.add_argument('--tol', type=float, default=1e-4, help='stop at residual ||Hv - lambda v|| <= tol |lambda|')
     h.add_argument('--hvp', default='auto', choices=['auto', 'reverse', 'cached', 'forward'], help='hessian.'
                    "hvp_operator's mode; auto: cached for one batch, else reverse (README: measured)")
-    h.add_argument('--compare', action='store_true', help='HVPs and seconds to lambda_max within 1e-4: Lanczos, '
-                   'power iteration, PyHessian 0.1 (pip install pyhessian), the first repeat\'s images as one batch')
+    h.add_argument('--compare', nargs='*', choices=['pyhessian', 'curvlinops', 'eigenthings'], metavar='LIBRARY',
+                   help='HVPs and seconds to lambda_max within 1e-4: Lanczos, power iteration, PyHessian 0.1; with '
+                   'LIBRARY names (pyhessian curvlinops eigenthings) each side by side (anchors.py); the first '
+                   "repeat's images as one batch")
     subs['ntk'].add_argument('--reduce', default='trace', choices=['trace', 'sum', 'full'], help='trace: sum of '
                              'per-class kernels; sum: of the summed logits (TE-NAS, AsViT); full: (nC x nC)')
     subs['ntk'].add_argument('--chunk', type=int, default=0, help='images per Jacobian chunk; 0 = as many as fit the '
@@ -415,6 +446,8 @@ def get_args(argv=None):
     subs['landscape'].add_argument('--dims', type=int, default=2, choices=[1, 2])
     subs['landscape'].add_argument('--steps', type=int, default=21, help='grid points per direction')
     subs['landscape'].add_argument('--span', type=float, default=1.0, help='coordinates in [-span, span]')
+    subs['landscape'].add_argument('--directions', metavar='PATH', help="hessian --save-vectors' hessian_vectors.pt: "
+                                   'along the top --dims eigenvectors (unit, in weight units) instead of random ones')
     subs['flatness'].add_argument('--sigma', type=float, nargs='+', default=[0.01, 0.02, 0.05], help='noise std')
     subs['flatness'].add_argument('--samples', type=int, default=20, help='Monte-Carlo draws per sigma')
     for name in ('landscape', 'flatness'):
@@ -440,13 +473,16 @@ def get_args(argv=None):
     has = lambda *keys: [k for k in keys if hasattr(args, k)]  # noqa: E731  (each sub-command has some of them)
     sized = ['batch_size'] if args.command == 'hessian' else []  # (0: sized from the free memory)
     check_ranges(args, has('images', 'iters', 'top_k', 'repeats', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n',
-                           'hessian_repeats', 'span', 'epochs_scale', *{'batch_size'} - set(sized)),
-                 has('chunk', 'train_subset', 'tol', 'corruption_n', 'trace', 'density', *sized),
+                           'hessian_repeats', 'span', 'epochs_scale', 'vectors_per_call', *{'batch_size'} - set(sized)),
+                 has('chunk', 'train_subset', 'tol', 'corruption_n', 'trace', 'density', 'bottom_k', *sized),
                  dict(corruption_n=10_000))
     check_shared_ranges(args, 'img_size', 'seed')
     if getattr(args, 'steps', 3) < 3 or getattr(args, 'steps', 3) % 2 == 0 or not all(
             math.isfinite(v) and v >= 0 for v in getattr(args, 'sigma', [])):  # (an even grid has no point at 0)
         raise UserError('--steps must be odd and >= 3 (a grid through 0) and --sigma finite and >= 0')
+    least = dict(xtrace=4, hutchpp=6).get(getattr(args, 'trace_estimator', ''), 1)  # 2 test vectors / probes each
+    if 0 < getattr(args, 'trace', 0) < least:
+        raise UserError(f'--trace {args.trace}: --trace-estimator {args.trace_estimator} needs >= {least} products')
     if os.path.isfile(args.out):
         raise UserError(f'--out {args.out} is a file; pass a folder')
     return args
@@ -526,7 +562,8 @@ def main(argv=None):
 def mean_std(reps):  # {k_mean, k_std} over repeats (std with n - 1) of lambda_max, the trace and each eigenvalue
     out, k = {}, min(len(r['eigenvalues']) for r in reps)
     for key, vals in [('lambda_max', [r['lambda_max'] for r in reps]), ('eigenvalues', [r['eigenvalues'][:k] for r in
-                      reps]), *([('trace', [r['trace'] for r in reps])] if 'trace' in reps[0] else [])]:
+                      reps]), *[(key, [r[key] for r in reps]) for key in ('trace', 'lambda_min', 'lambda_min_over_max')
+                                if key in reps[0]]]:
         t = torch.tensor(vals, dtype=torch.float64)
         out.update({f'{key}_mean': t.mean(0).tolist(), f'{key}_std': t.std(0).tolist()})
     return out
@@ -535,8 +572,8 @@ def mean_std(reps):  # {k_mean, k_std} over repeats (std with n - 1) of lambda_m
 def measure_hessian(args, proc, model, loads, n, size, log):
     """hessian's JSON: per repeat (its images; probes from --seed + j) the spectrum of the whole Hessian and of each
     block (--blocks); with --repeats > 1 the repeats under `repeats` and the mean and std over them."""
-    if args.compare and proc.world > 1:
-        raise UserError('--compare runs in one process (PyHessian cannot split the images)')
+    if args.compare is not None and proc.world > 1:
+        raise UserError('--compare runs in one process (the other libraries cannot split the images)')
     blocks, reps = [('all', None), *(param_blocks(model).items() if args.blocks else [])], []
     for j, (x, y) in enumerate(loads):
         batches = [(xb.to(proc.device), yb.to(proc.device)) for xb, yb in zip(x.split(size), y.split(size))]
@@ -544,12 +581,24 @@ def measure_hessian(args, proc, model, loads, n, size, log):
         rep = dict(images=len(range(j, n, len(loads))), seed=args.seed + j, hvp=hvp)  # images j, j + R, ... of n
         for name, params in blocks:
             r = hessian_spectrum(model, F.cross_entropy, batches, params, args.top_k, args.iters, args.tol, args.trace,
-                                 args.density, args.seed + j, hvp, progress=log)
+                                 args.density, args.seed + j, hvp, bottom_k=args.bottom_k, curvature=args.curvature,
+                                 vectors=args.save_vectors and name == 'all' and j == 0, batch=args.vectors_per_call,
+                                 trace_estimator=args.trace_estimator, progress=log)
+            vectors = {k: r.pop(k).float().cpu() for k in ('vectors', 'bottom_vectors') if k in r}  # (unit rows)
+            if vectors and proc.master:  # the first repeat's, for landscape --directions
+                save_atomic(os.path.join(args.out, 'hessian_vectors.pt'), dict(
+                    vectors, names=[k for k, p in model.named_parameters() if p.requires_grad],
+                    curvature=args.curvature, eigenvalues=r['eigenvalues'],
+                    bottom_eigenvalues=r.get('bottom_eigenvalues')))
             # M03 (issue 34): a value that --iters ended before its residual reached --tol |lambda| says so
-            r['converged'] = all(e <= args.tol * abs(v) for e, v in zip(r['residuals'], r['eigenvalues']))
+            r['converged'] = all(e <= args.tol * abs(v) for e, v in zip(
+                r['residuals'] + r.get('bottom_residuals', []), r['eigenvalues'] + r.get('bottom_eigenvalues', [])))
             rep.update(r) if name == 'all' else rep.setdefault('blocks', {}).update({name: r})
             proc.log(f"  repeat {j + 1}/{len(loads)} | {name:24s} lambda_max {r['lambda_max']:.6g} ({r['products']} "
-                     'HVPs)' + (f" | trace {r['trace']:.6g} +- {r['trace_se']:.2g} (s.e.)" if args.trace else '')
+                     'HVPs)' + (f" | lambda_min {r['lambda_min']:.6g}, |lambda_min| / lambda_max "
+                                f"{r['lambda_min_over_max']:.3g}" if args.bottom_k else '')
+                     + (f" | trace {r['trace']:.6g} +- {r['trace_se']:.2g} (s.e., {args.trace_estimator})"
+                        if args.trace else '')
                      + f' (NOT converged: --iters {args.iters} ended it before a residual <= --tol |lambda|; raise '
                      '--iters)' * (not r['converged']))
         reps.append(rep)
@@ -561,14 +610,16 @@ def measure_hessian(args, proc, model, loads, n, size, log):
     if args.density and proc.master:
         figures.spectral_density([(torch.tensor(r['density']['nodes']), torch.tensor(r['density']['weights']))
                                   for r in reps], os.path.join(args.out, 'hessian_density.png'))
-    if args.compare:
-        out['compare'] = compare_hessian(model, *(t.to(proc.device) for t in loads[0]), args.seed, proc.log,
-                                         args.iters)
+    if args.compare is not None:  # (bare: PyHessian's power iteration and per-product time; named: anchors.py)
+        xy = [t.to(proc.device) for t in loads[0]]
+        out['compare'] = (anchors.compare(model, *xy, args.compare, args.seed, max(args.trace, 100), say=proc.log)
+                          if args.compare else compare_hessian(model, *xy, args.seed, proc.log, args.iters))
     stopped = sorted({name for r in reps for name, b in [('all', r), *r.get('blocks', {}).items()]
                       if not b['converged']})
-    return dict(out, top_k=args.top_k, iters=args.iters, tol=args.tol, note='eigenvalues: the --top-k largest '
-                'algebraic (Lanczos, full reorthogonalisation; lambda_max the first); trace: Hutchinson (Rademacher), '
-                'trace_se its standard error; density: SLQ nodes and weights; repeats: disjoint image subsets'
+    return dict(out, top_k=args.top_k, iters=args.iters, tol=args.tol, note=f'{args.curvature}: eigenvalues: the '
+                '--top-k largest algebraic (Lanczos, full reorthogonalisation; lambda_max the first), bottom_: the '
+                f'--bottom-k smallest; trace: {args.trace_estimator}, trace_se its standard error; density: SLQ nodes '
+                'and weights; repeats: disjoint image subsets'
                 + f'; NOT converged ({", ".join(stopped)}): --iters came before --tol' * bool(stopped))
 
 
@@ -692,10 +743,13 @@ def measure(args, proc, model, info, path, drawn):
                     'layers' * drawn + '; the head is all zeros: a collapsed kernel, the Gram of its features' * zero)
         say(f'  NTK kappa ({args.reduce}) {kappa:.6g} = {eig[-1]:.4g} / {eig[0]:.4g} | {info["note"]}')
     elif args.command == 'landscape':
+        dirs = hessian_directions(model, args.directions, args.dims) if args.directions else None
         coords, losses = loss_landscape(model, F.cross_entropy, batches, args.dims, args.steps, args.span, args.seed,
-                                        proc.device if args.noise_on_device else 'cpu', progress=log)
-        info.update(dims=args.dims, coords=coords.tolist(), loss=losses.tolist(), note='filter-normalised Gaussian '
-                    "directions (Li et al. 2018), 1-D parameters not moved (ignore='biasbn')")
+                                        proc.device if args.noise_on_device else 'cpu', dirs, progress=log)
+        info.update(dims=args.dims, coords=coords.tolist(), loss=losses.tolist(), directions=args.directions,
+                    note=f'the top {args.dims} eigenvectors of {args.directions} (unit vectors)' if dirs else
+                    "filter-normalised Gaussian directions (Li et al. 2018), 1-D parameters not moved "
+                    "(ignore='biasbn')")
         say(f'  loss at the origin {losses[(args.steps // 2,) * args.dims]:.4f}, largest {losses.max():.4f}')
         if proc.master:
             figures.landscape(args.model, coords, losses, args.out)

@@ -255,6 +255,9 @@ def hessian_spectrum(model, loss_fn, batches, params=None, top_k=1, iters=100, t
     trace_estimator ('xtrace', 'hutchinson' or 'hutchpp') tr H and its standard error, `density` SLQ probes of
     `iters` steps the spectral density's nodes and weights. Probes from `seed`; batch: vectors per product call
     for the trace and the density (one backward each, for fewer seconds per vector)."""
+    if curvature not in ('hessian', 'ggn') or trace_estimator not in ('xtrace', 'hutchinson', 'hutchpp'):
+        raise ValueError(f"curvature must be 'hessian' or 'ggn' (got {curvature!r}), trace_estimator 'xtrace', "
+                         f"'hutchinson' or 'hutchpp' (got {trace_estimator!r})")
     params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
     matvec, n = (ggn_operator(model, list(batches), params) if curvature == 'ggn' else
                  hvp_operator(model, loss_fn, list(batches), params, hvp))
@@ -262,7 +265,7 @@ def hessian_spectrum(model, loss_fn, batches, params=None, top_k=1, iters=100, t
     for key, which, k in (('', 'LA', top_k), ('bottom_', 'SA', bottom_k)):
         if k:
             r = lanczos(matvec, v0, k, iters, tol, which, params[0].dtype, vectors, progress=progress)
-            out.update({key + name: r[name] for name in ('eigenvalues', 'residuals', 'products', 'vectors') if name in r})
+            out.update({key + k: r[k] for k in ('eigenvalues', 'residuals', 'products', 'vectors') if k in r})
     out['lambda_max'] = out['eigenvalues'][0]
     if bottom_k:
         out.update(lambda_min=out['bottom_eigenvalues'][0],

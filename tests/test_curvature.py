@@ -5,6 +5,7 @@ torch.func.jacrev(torch.func.grad(loss)) (checked against central differences in
 the Jacobian of the logits by torch.autograd.functional.jacobian (a loop of plain backward passes, no vmap) and the
 closed-form Hessian of the cross-entropy in the logits, torch.linalg.eigh, explicit matrices with a known trace."""
 import functools
+import json
 import math
 
 import pytest
@@ -332,3 +333,80 @@ def test_deflated_power_iteration_reports_a_non_eigenvalue_as_converged():
     assert ours['eigenvalues'] == pytest.approx(want.tolist(), rel=1e-8)
     lam = torch.tensor(ours['eigenvalues'], dtype=torch.float64)
     assert (ours['vectors'] @ H - lam[:, None] * ours['vectors']).norm(dim=1).max() <= 1e-7 * eig.abs().max()
+
+
+# ----------------------------------------------------------------------------- geometry.py hessian / landscape
+TINY = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=1', 'heads=2']
+
+
+def test_geometry_bottom_vectors_ggn_and_landscape_along_the_eigenvectors(cifar10_dir, tmp_path):
+    """hessian --bottom-k --save-vectors: lambda_min and the ratio in hessian.json, the top eigenvector saved with a
+    residual ||H v - lambda v|| <= 1e-3 |lambda| (fp32 products); --trace says its estimator (XTrace by default);
+    landscape --directions: the loss at w + a v equals the loss computed here at that point; --curvature ggn: a
+    non-negative bottom (positive semi-definite, to fp32 rounding)."""
+    import geometry as G
+    import data
+    common = [*TINY, '--data', str(cifar10_dir), '--images', '12']
+    G.main(['hessian', *common, '--iters', '40', '--bottom-k', '1', '--trace', '8', '--save-vectors', '--out',
+            str(tmp_path)])
+    got = json.loads((tmp_path / 'hessian.json').read_text())
+    assert got['lambda_min'] < 0 < got['lambda_max'] and got['trace_estimator'] == 'xtrace'
+    assert got['lambda_min_over_max'] == pytest.approx(abs(got['lambda_min']) / got['lambda_max'])
+    saved = torch.load(tmp_path / 'hessian_vectors.pt', weights_only=True)
+    torch.manual_seed(0)
+    model = G.build_model('vit_s4_cifar', 10, 32, G.parse_model_kw(['dim=16', 'depth=1', 'heads=2']), cifar=True)
+    model.eval()
+    x, y, _, _ = data.measurement_images(str(cifar10_dir), 'cifar10', True, 12, 32)
+    matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)])
+    v, lam = saved['vectors'][0].double(), saved['eigenvalues'][0]
+    assert lam == got['lambda_max'] and (matvec(v) - lam * v).norm() <= 1e-3 * abs(lam)
+    G.main(['landscape', *common, '--dims', '1', '--steps', '3', '--span', '0.5', '--directions',
+            str(tmp_path / 'hessian_vectors.pt'), '--out', str(tmp_path)])
+    land = json.loads((tmp_path / 'landscape.json').read_text())
+    names = [k for k, _ in model.named_parameters()]
+    w = {k: p.detach() + 0.5 * d.view_as(p) for (k, p), d in zip(model.named_parameters(), v.float().split(
+        [p.numel() for p in model.parameters()]))}
+    with torch.no_grad():
+        want = F.cross_entropy(functional_call(model, w, (x,)), y).item()
+    assert names == saved['names'] and land['loss'][2] == pytest.approx(want, rel=1e-5)
+    G.main(['hessian', *common, '--iters', '40', '--bottom-k', '1', '--curvature', 'ggn', '--overwrite', '--out',
+            str(tmp_path)])
+    ggn = json.loads((tmp_path / 'hessian.json').read_text())
+    assert ggn['curvature'] == 'ggn' and ggn['lambda_min'] >= -1e-4 * ggn['lambda_max']
+
+
+def test_compare_names_a_missing_library_in_one_line(cifar10_dir, tmp_path, monkeypatch):
+    import sys
+    import geometry as G
+    monkeypatch.setitem(sys.modules, 'curvlinops', None)  # (an import of it raises ImportError)
+    with pytest.raises(G.UserError, match=r'pip install curvlinops-for-pytorch==3\.0\.1') as e:
+        G.main(['hessian', *TINY, '--data', str(cifar10_dir), '--images', '4', '--iters', '3', '--compare',
+                'curvlinops', '--out', str(tmp_path)])
+    assert '\n' not in str(e.value)
+    with pytest.raises(G.UserError, match='--trace-estimator xtrace needs >= 4'):
+        G.main(['hessian', *TINY, '--data', str(cifar10_dir), '--trace', '3', '--out', str(tmp_path)])
+
+
+def test_torchrun_two_processes_equal_one(cifar10_dir, tmp_path, curvature='ggn'):
+    """--bottom-k, XTrace, the density with 2 vectors per call, on 8 images: 2 gloo processes of 4 images each equal
+    one process's 2 batches of 4 (each product call all-reduced once: the same sums) to 1e-6. The GGN: the Hessian's
+    products go through the same all-reduce (hessian.flat_operator), single ones tested in test_hessian.py."""
+    import os
+    import subprocess
+    import sys
+    from conftest import REPO
+    from test_geometry import free_port
+    import geometry as G
+    common = ['hessian', *TINY, '--data', str(cifar10_dir), '--images', '8', '--batch-size', '4', '--iters', '5',
+              '--tol', '0', '--top-k', '2', '--bottom-k', '1', '--trace', '6', '--density', '2',
+              '--vectors-per-call', '2', '--curvature', curvature]
+    G.main([*common, '--out', str(tmp_path / 'one')])
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': ''}
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port',
+                        str(free_port()), 'geometry.py', *common, '--out', str(tmp_path / 'two')], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = (json.loads((tmp_path / d / 'hessian.json').read_text()) for d in ('one', 'two'))
+    read = lambda d: torch.tensor([*d['eigenvalues'], d['lambda_min'], d['trace'], d['trace_se'],  # noqa: E731
+                                   *d['density']['nodes'], *d['density']['weights']], dtype=torch.float64)
+    assert two['processes'] == 2 and torch.allclose(read(two), read(one), rtol=1e-6, atol=1e-9)
