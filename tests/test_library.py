@@ -16,7 +16,8 @@ import vit
 from conftest import REPO
 
 LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment', 'hessian'}
-LIBRARY = {'utils': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'figures'},
+LIBRARY = {'utils': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'figures', 'anchors'},
+           'anchors': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'figures'},  # (geometry --compare's)
            'flags': {'runs', 'images', 'loader', 'data', 'models', 'figures'},
            'runs': {'images', 'loader', 'data', 'models', 'figures'},
            'images': {'runs', 'loader', 'data', 'models', 'figures'}, 'loader': {'runs', 'data', 'models', 'figures'},
