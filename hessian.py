@@ -1,14 +1,20 @@
 """The curvature of a loss: Hessian-vector products and what they buy. Copy this file; it needs only torch.
 
     H v           hvp_operator: the exact product, by double backward (Pearlmutter 1994), batches weighted by size,
-                  summed over torchrun's processes (one all-reduce of a flat vector per product)
-    lambda_max    power_iteration (PyHessian's), lanczos (top-k, full reorthogonalisation, residual stopping rule)
-    tr H          hutchinson (Rademacher probes, with its standard error), hutchpp (Meyer et al. 2021)
+                  summed over torchrun's processes (one all-reduce of a flat vector per product); k vectors at once
+                  through one vmapped backward (one all-reduce for the k)
+    G v           ggn_operator: the Gauss-Newton matrix of the cross-entropy, J^T H_out J (Schraudolph 2002)
+    lambda        power_iteration (PyHessian's), lanczos (top-k 'LA', bottom-k 'SA' or by magnitude 'LM', with the
+                  Ritz vectors on request; full reorthogonalisation, residual stopping rule)
+    tr H          hutchinson (Rademacher probes), hutchpp (Meyer et al. 2021), xtrace (Epperly, Tropp & Webber
+                  2024: the smallest error of the three at equal products where the spectrum decays), each with its
+                  standard error
     density       slq: stochastic Lanczos quadrature (Ghorbani, Krishnan & Xiao, ICML 2019; PyHessian's `density`)
 
-Every vector is a flat float64 tensor of the (block's) parameters, in model.parameters() order, on their device;
-the products run in the parameters' dtype and are accumulated in float64. The operators work on any symmetric
-`matvec` (a function of one flat vector), so each algorithm is testable against an explicit matrix."""
+Every vector is a flat float64 tensor of the (block's) parameters, in model.parameters() order, on their device
+(k of them: the rows of a (k, P) tensor); the products run in the parameters' dtype and are accumulated in
+float64. The algorithms work on any symmetric `matvec` (a function of one flat vector), so each is testable
+against an explicit matrix; scipy takes one as a LinearOperator in three lines (docs/geometry.md)."""
 import functools
 import math
 import time

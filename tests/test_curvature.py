@@ -222,13 +222,14 @@ def test_spectrum_bottom_trace_density_and_ggn_from_hessian_spectrum(case, batch
 def test_scipy_linear_operator_wrapper_of_the_docs(case):
     """The three lines of docs/geometry.md: scipy's eigsh on our operator gives eigh's extremes (scipy is
     installed, the leaf does not import it)."""
-    np = pytest.importorskip('numpy')
+    import numpy as np
     from scipy.sparse.linalg import LinearOperator, eigsh
     _, model, batches, H, _ = case
     matvec, n = hessian.hvp_operator(model, F.cross_entropy, batches)
-    # --- as in the docs
-    op = LinearOperator((n, n), dtype=np.float64, matvec=lambda v: matvec(torch.from_numpy(v).ravel()).numpy(),
-                        matmat=lambda V: matvec(torch.from_numpy(V.T.copy())).numpy().T)
+    dev = 'cpu'
+    # --- as in docs/geometry.md
+    op = LinearOperator((n, n), dtype='float64', matvec=lambda v: matvec(torch.tensor(v.ravel(), device=dev)).cpu()
+                        .numpy(), matmat=lambda V: matvec(torch.tensor(V.T, device=dev)).cpu().numpy().T)
     # ---
     top = eigsh(op, k=2, which='LA', tol=1e-12, return_eigenvectors=False)
     assert sorted(top) == pytest.approx(torch.linalg.eigvalsh(H)[-2:].tolist(), rel=1e-8)
