@@ -268,9 +268,10 @@ def hessian_spectrum(model, loss_fn, batches, params=None, top_k=1, iters=100, t
     matvec, n = (ggn_operator(model, list(batches), params) if curvature == 'ggn' else
                  hvp_operator(model, loss_fn, list(batches), params, hvp))
     v0, out = start_vector(params, seed), dict(curvature=curvature)
+    basis = torch.float64 if params[0].dtype == torch.float64 else torch.float32  # Lanczos' basis, XTrace's blocks
     for key, which, k in (('', 'LA', top_k), ('bottom_', 'SA', bottom_k)):
         if k:
-            r = lanczos(matvec, v0, k, iters, tol, which, params[0].dtype, vectors, progress=progress)
+            r = lanczos(matvec, v0, k, iters, tol, which, basis, vectors, progress=progress)
             out.update({key + k: r[k] for k in ('eigenvalues', 'residuals', 'products', 'vectors') if k in r})
     out['lambda_max'] = out['eigenvalues'][0]
     if bottom_k:
@@ -279,7 +280,7 @@ def hessian_spectrum(model, loss_fn, batches, params=None, top_k=1, iters=100, t
     if trace:
         dev = params[0].device
         out['trace'], out['trace_se'] = (
-            xtrace(matvec, n, trace, seed, dev, batch) if trace_estimator == 'xtrace' else
+            xtrace(matvec, n, trace, seed, dev, batch, basis) if trace_estimator == 'xtrace' else
             hutchpp(matvec, n, trace, seed, dev, batch) if trace_estimator == 'hutchpp' else
             hutchinson(matvec, n, trace, seed, dev, batch, progress=progress)[:2])
         out['trace_estimator'] = trace_estimator
