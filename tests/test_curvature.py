@@ -183,6 +183,8 @@ def test_xtrace_and_hutchpp_are_unbiased_with_honest_errors_and_xtrace_beats_hut
         est, se = spread(estimator, A, 24)
         assert abs(est.mean().item() - exact) <= 3 * est.std().item() / math.sqrt(len(est))
         assert 0.5 <= se.pow(2).mean().sqrt().item() / est.std().item() <= 2
+        print(f'{which}: {estimator.__name__} spread {est.std():.4g} (Hutchinson {hu.std():.4g}: '
+              f'{hu.std() / est.std():.2f}x), rms s.e. / spread {se.pow(2).mean().sqrt() / est.std():.2f}')
     xt = spread(hessian.xtrace, A, 24)[0]
     assert xt.std() < (0.5 if which == 'matrix' else 1) * hu.std()
 
