@@ -17,40 +17,31 @@ its --classes only); ImageNet models data.eval_transform with their recipe's siz
 import argparse
 import csv
 import hashlib
-import importlib.metadata
 import io
 import itertools
 import math
 import os
 import pkgutil
-import shutil
-import signal
 import sys
-import tempfile
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
+import corruptions as cc
 import figures
 from augment import normalize
+from corruptions import CORRUPTIONS, GROUPS, SEVERITIES, load_npy
 from data import MEAN, MEANS, STD, Samples, eval_transform, folder_batches, folder_samples, load_cifar
 from flags import check_shared_ranges, refuse_loose
 from models import imagenet_only, load_model, zero_head
 from pgd import fgsm, pgd
-from runs import read_json, save_atomic, stored_args
-from utils import EXTRAS, UserError, epoch_seed, first_set, fmt_time, init_group, leave, one_line, setup
-# The benchmark's constants (Hendrycks & Dietterich 2019, Sec. 3 and Fig. 1).
-GROUPS = {'noise': ['gaussian_noise', 'shot_noise', 'impulse_noise'],
-          'blur': ['defocus_blur', 'glass_blur', 'motion_blur', 'zoom_blur'],
-          'weather': ['snow', 'frost', 'fog', 'brightness'],
-          'digital': ['contrast', 'elastic_transform', 'pixelate', 'jpeg_compression'],
-          'extra': ['speckle_noise', 'gaussian_blur', 'spatter', 'saturate']}
-CORRUPTIONS = [c for names in GROUPS.values() for c in names]  # also imagecorruptions' order
-BENCHMARK_15 = CORRUPTIONS[:15]
-SEVERITIES = (1, 2, 3, 4, 5)
+from runs import discard_new_dirs, prepare_out, read_json, save_atomic, stored_args
+from utils import UserError, epoch_seed, first_set, fmt_time, init_group, leave, setup
+BENCHMARK_15 = CORRUPTIONS[:15]  # (Hendrycks & Dietterich 2019, Sec. 3: the 15 of mCE; 4 extra)
 # AlexNet's top-1 error per benchmark corruption (mean over the 5 severities), as google-research/augmix
 # imagenet.py carries them from hendrycks/robustness, in ITS corruption order, which is BENCHMARK_15's.
 ALEXNET_ERR = dict(zip(BENCHMARK_15, [0.886428, 0.894468, 0.922640, 0.819880, 0.826268, 0.785948, 0.798360,
@@ -59,7 +50,6 @@ ALEXNET_ERR = dict(zip(BENCHMARK_15, [0.886428, 0.894468, 0.922640, 0.819880, 0.
 NOTE = ("on-the-fly corruptions: ImageNet-C's severity constants (imagecorruptions-imaug {v}) applied at "
         '{h}x{w} px, seed {seed}; this is NOT the published {which}')
 PLOT_HINT = ' (or pass --no-plot)'
-CACHE_MARK = 'robustness.py --benchmark corrupt'  # meta.json's made_by: what makes a folder our cache
 EVAL_PREP = dict(norm='jax', crop_pct=0.875, eval_interp='bilinear', img_size=224)  # train_imagenet's sam recipe
 
 
@@ -104,15 +94,18 @@ def get_args(argv=None):
                            (args.benchmark == 'corrupt', '--benchmark corrupt', ('cache',)),
                            (args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c'),
                             '--benchmark imagenet-c, imagenet-r or cifar10-c (beside a published benchmark)',
-                            ('clean',))])
+                            ('clean',)),
+                           (args.benchmark == 'corrupt' or args.attack == 'pgd', '--benchmark corrupt or --attack pgd',
+                            ('seed',))])
     check_shared_ranges(args, 'img_size', 'crop_pct', 'seed')
     if args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c') and not args.clean:
         raise UserError(f'--benchmark {args.benchmark} needs --clean DIR, the clean test set whose accuracy '
                         'goes beside the corrupted figures')
-    if not (args.eps >= 0 and args.alpha > 0 and math.isfinite(args.eps + args.alpha) and args.steps >= 1
-            and args.subset >= 0 and args.workers >= 0 and args.eval_batch_size >= 1):  # (inf: robust above clean)
-        raise UserError(f'need finite --eps >= 0 and --alpha > 0, --steps >= 1, --subset >= 0, --workers >= 0, '
-                        f'--eval-batch-size >= 1; got --eps {args.eps:g} --alpha {args.alpha:g}')
+    if not (0 <= args.eps <= 255 and 0 < args.alpha <= 255 and args.steps >= 1 and args.subset >= 0  # (inf: robust
+            and args.workers >= 0 and args.eval_batch_size >= 1):  # above clean; above float32: a traceback in pgd)
+        raise UserError(f'need --eps in [0, 255] and --alpha in (0, 255] (/255 pixel units: 255 is the whole range), '
+                        f'--steps >= 1, --subset >= 0, --workers >= 0, --eval-batch-size >= 1; got --eps {args.eps:g} '
+                        f'--alpha {args.alpha:g}')
     return args
 
 
@@ -191,223 +184,128 @@ def count(model, batches, mean, std, amp=False, mask=None):
 
 
 # -----------------------------------------------------------------------------
-# On-the-fly corruption with the benchmark's own code, through the imagecorruptions-imaug fork (the
-# original 1.1.2 no longer imports on current setuptools). Each image is seeded from its own key
-# (seed, corruption, severity, index): no RNG stream is shared, so batches, workers and ranks agree.
-def corrupt_chunk(task):
-    """(images (B, H, W, 3) uint8, index of the first, corruption, severity, seed) -> corrupted copy."""
-    from imagecorruptions import corrupt
-    images, start, corruption, severity, seed = task
-    out = np.empty_like(images)
-    for i, image in enumerate(images):
-        s = epoch_seed(seed, CORRUPTIONS.index(corruption), severity, start + i)
-        np.random.seed(s)  # most corruptions draw from numpy's global RNG, but these two from a fresh
-        kw = {'seed': s} if corruption in ('glass_blur', 'impulse_noise') else {}  # default_rng unless seeded
-        out[i] = corrupt(image, severity=severity, corruption_name=corruption, **kw)
-    return out
-
-
-def corruption_package():
-    """The fork's version, or a UserError saying how to install it (the 1.1.2 original fails to import)."""
-    try:
-        import imagecorruptions  # noqa: F401
-        return importlib.metadata.version('imagecorruptions-imaug')
-    except (ImportError, importlib.metadata.PackageNotFoundError):
-        raise UserError(f'on-the-fly corruption needs the imagecorruptions-imaug package; {EXTRAS}') from None
-
-
-def open_cache(cache_dir):
-    """meta.json of a cache this script made, or None for a folder to make (absent or empty). Anything else is refused:
-    a cache never writes into a folder it did not make, nor reads a published CIFAR-10-C's arrays as its own."""
-    path = os.path.join(cache_dir, 'meta.json')
-    if not os.path.exists(cache_dir) or (os.path.isdir(cache_dir) and not os.listdir(cache_dir)):
-        return None
-    if not os.path.isfile(path):
-        raise UserError(f'--cache {cache_dir} is not a cache of robustness.py (no meta.json; a published CIFAR-10-C '
-                        'is --benchmark cifar10-c --data DIR): give a new or empty folder')
-    meta = read_json(path, f'pick another --cache (or delete {cache_dir} if this script made it)')  # (save_atomic:
-    # written whole or not at all: a cut one was edited)
-    if not isinstance(meta, dict) or meta.get('made_by') != CACHE_MARK:
-        raise UserError(f'--cache {cache_dir}: its meta.json is not robustness.py\'s; give a new or empty folder')
-    return meta
-
-
-def use_cache(cache_dir, meta, labels, corruptions):
-    """Rank 0: make the cache (meta.json first, marking the folder as ours) or check it holds this set, made by this
-    imagecorruptions version (refused otherwise: its images could differ); refuse what would not fit its disk; make
-    an empty PATH.npy.tmp (a sparse np.lib.format.open_memmap) per corruption to add, which every rank then fills
-    with its rows. -> the corruptions it holds."""
-    old = open_cache(cache_dir)
-    if old is not None and old.get('sha256_of') != meta['sha256_of']:  # (before 2026-12-03: of the whole array)
-        raise UserError(f'--cache {cache_dir} was made by an older robustness.py, which identified the images '
-                        'otherwise; delete it or pick another --cache')
-    if old is not None and any(old.get(k) != meta[k] for k in ('seed', 'n', 'image_shape', 'sha256')):
-        raise UserError(f'--cache {cache_dir} holds a corrupted set of other images or another seed '
-                        f'(seed {old.get("seed")}, {old.get("n")} images); pick another --cache')
-    if old is not None and old.get('package') != meta['package']:
-        raise UserError(f'--cache {cache_dir} was made by imagecorruptions-imaug {old.get("package")}, this is '
-                        f'{meta["package"]}: refused, its images could differ; delete it or pick another --cache')
-    cached, want = set(), (len(SEVERITIES) * meta['n'], *meta['image_shape'])
-    for c in corruptions:
-        if os.path.isfile(path := os.path.join(cache_dir, f'{c}.npy')):
-            if (a := load_npy(path, 'delete it')).dtype != np.uint8 or a.shape != want:
-                raise UserError(f'{path} is {a.dtype} {a.shape}, not the uint8 {want} of its meta.json; delete it')
-            cached.add(c)
-    make = [c for c in corruptions if c not in cached]
-    need, disk = len(make) * math.prod(want), cache_dir  # uint8 at the evaluated size: README's table
-    while not os.path.exists(disk):
-        disk = os.path.dirname(os.path.abspath(disk))
-    if need > (free := shutil.disk_usage(disk).free):
-        raise UserError(f'--cache {cache_dir}: {len(make)} corruptions x {want[0]:,} images of {want[1]}x{want[2]} px '
-                        f'need {need / 1e9:.3g} GB, its disk has {free / 1e9:.3g} GB free; free some, pick another '
-                        f'--cache or fewer --corruptions')
-    if old is None:
-        try:
-            os.makedirs(cache_dir, exist_ok=True)
-        except OSError as e:
-            raise UserError(f'--cache {cache_dir}: {e.strerror or e}')
-        save_atomic(os.path.join(cache_dir, 'meta.json'), meta)  # first: from now on the folder is marked ours
-        save_atomic(os.path.join(cache_dir, 'labels.npy'), lambda f: np.save(f, np.tile(labels, len(SEVERITIES))))
-    for c in make:  # written row by row by the ranks, renamed by rank 0 once all have written (a sparse file: the
-        np.lib.format.open_memmap(os.path.join(cache_dir, f'{c}.npy.tmp'), 'w+', np.uint8, want)  # disk fills as
-    return cached                                                                               # rows arrive)
-
-
-class Corrupted(torch.utils.data.Dataset):
-    """Item k: image lo + k % (hi - lo) of `clean` corrupted by corruptions[k // (hi - lo)] at each of `severities`
-    -> (uint8 (S, H, W, 3), label, index). In a loader's worker: the image is decoded (or read) there too."""
-
-    def __init__(self, clean, corruptions, severities, seed, lo, hi):
-        self.clean, self.corruptions, self.severities, self.seed, self.lo, self.m = (clean, corruptions, severities,
-                                                                                     seed, lo, hi - lo)
-
-    def __len__(self):
-        return len(self.corruptions) * self.m
-
-    def __getitem__(self, k):
-        c, j = self.corruptions[k // self.m], self.lo + k % self.m
-        x, y, _ = self.clean[j]
-        image = x.permute(1, 2, 0).numpy()[None]  # (1, H, W, 3)
-        return torch.from_numpy(np.concatenate([corrupt_chunk((image, j, c, s, self.seed))
-                                                for s in self.severities])), y, j
-
-
-def deaf(_):  # a loader worker ignores Ctrl-C: the main process stops it, no traceback from each
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def loader(dataset, workers, **kw):
-    """A DataLoader, its workers spawned, not forked (this process runs torch's threads)."""
-    return torch.utils.data.DataLoader(dataset, num_workers=workers, pin_memory=torch.cuda.is_available(),
-                                       **dict(multiprocessing_context='spawn', worker_init_fn=deaf) if workers else {},
-                                       **kw)
-
-
-def load_npy(path, advice):
-    """np.load(path) as a memmap, or a UserError naming a damaged file (truncated, not a .npy, pickled objects)."""
-    try:
-        return np.load(path, mmap_mode='r', allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
-        raise UserError(f'{path} is damaged or not a .npy file ({one_line(e)}); {advice}')
-
-
+# On-the-fly corruptions (corruptions.py makes them and keeps them in a memmap cache), scored here.
 def corruption_accuracy(model, images_u8, labels, mean, std, corruptions=CORRUPTIONS, severities=SEVERITIES,
                         seed=0, cache_dir=None, batch_size=256, *, workers=0, rank=0, world=1, amp=False,
                         progress=False):
     """Accuracy (%) of `model` on uint8 images (N, 3, H, W) of >= 32 px corrupted on the fly, and clean (mean, std:
     the normalisation on [0, 1]); or images_u8 a Dataset of (uint8 (3, H, W), label (-1: undecodable), index), e.g.
-    data.Samples, and labels None. cache_dir: the corrupted set kept there (CIFAR-10-C layout, 5 severities; a
-    folder it made, or new or empty) for the next call; None: in memory. workers: loader processes that decode and
-    corrupt. Under torchrun call it on every rank: each decodes, corrupts and writes only its slice of rows into
-    the cache's memmaps (no images cross processes). progress: a line per corruption. -> summarize() + note"""
-    version = corruption_package()
+    data.Samples, and labels None: each image decoded once (kept for the corruptions in a file of this process's,
+    in TMPDIR). cache_dir: the corrupted set kept there (CIFAR-10-C layout, 5 severities; a folder it made, or new or
+    empty) for the next call; None: in memory. workers: loader processes that decode and corrupt. Under torchrun
+    call it on every rank: each decodes, corrupts and writes only its slice of rows into the cache's memmaps (no
+    images cross processes but the bytes of pages two ranks share). progress: a line a corruption. -> summarize()"""
+    version = cc.package()
     tensors = isinstance(images_u8, torch.Tensor)
     if tensors and (len(labels) != len(images_u8) or images_u8.ndim != 4):
         raise UserError(f'need uint8 images (N, 3, H, W) and N labels; got {tuple(images_u8.shape)} and {len(labels)}')
     clean = torch.utils.data.TensorDataset(images_u8, torch.as_tensor(labels), torch.arange(len(labels))) \
         if tensors else images_u8
-    first = clean[0][0]  # (3, H, W)
-    if first.dtype != torch.uint8 or first.ndim != 3 or min(first.shape[1:]) < 32:
-        raise UserError(f'need uint8 images (3, H, W) of at least 32 px; got {first.dtype} {tuple(first.shape)}')
+    if not len(clean):  # no accuracy of nothing
+        raise UserError('no images to corrupt')
     device = next(model.parameters()).device
     mean, std = (torch.tensor(v, dtype=torch.float32, device=device).view(1, 3, 1, 1) for v in (mean, std))
-    shape = (*first.shape[1:], 3)  # (H, W, 3): the package's and C layout
     n, (lo, hi) = len(clean), rank_slice(len(clean), rank, world)
-    made = SEVERITIES if cache_dir else severities  # a cached file holds all five
+    shape = image_shape(clean[0][0]) if tensors or lo == hi else None  # (a folder's: from its first decoded batch)
+    m, made, files, keep = hi - lo, SEVERITIES if cache_dir else severities, {}, None  # a cached file holds all five
     seen, clean_k = [], torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y, j in loader(torch.utils.data.Subset(clean, range(lo, hi)), 0 if tensors else workers,
-                          batch_size=batch_size):  # this rank's clean images (ImageNet: decoded in the workers), noting
-        seen += [(hashlib.sha256(a.numpy().tobytes()).digest(), int(b)) for a, b in zip(x, y)]  # the cache's identity
-        clean_k += count(model, [(x, y, j)], mean, std, amp)  # of the set: each image's sha256 and label
-    everyone = [seen] * world  # rank 0 gets every rank's digests and labels (bytes, not images)
-    if world > 1:
-        dist.gather_object(seen, everyone if rank == 0 else None, dst=0)
-    cached, error = set(), None
-    if rank == 0:
-        digests, y_all = zip(*[d for part in everyone for d in part]) if n else ((), ())
-        y_all = np.asarray(y_all, np.int64)
-        if (y_all < 0).any():  # (data.Samples' mark; folder_batches says the same)
-            bad = int(np.argmax(y_all < 0))
-            error = f'cannot decode {clean.samples[bad][0]} (corrupt or truncated); replace or delete it'
-        elif cache_dir:  # rank 0 alone looks and makes (another rank could see a half-made folder); all get the verdict
-            meta = {'made_by': CACHE_MARK, 'seed': seed, 'n': n, 'image_shape': list(shape), 'package': version,
-                    'sha256': hashlib.sha256(b''.join(digests) + y_all.tobytes()).hexdigest(),
-                    'sha256_of': 'the per-image sha256 digests, then the int64 labels'}
-            try:
-                cached = use_cache(cache_dir, meta, y_all, corruptions)
-            except UserError as e:
-                error = str(e)
-    if world > 1:
-        dist.broadcast_object_list(box := [error, cached])
-        error, cached = box
-    if error:
-        raise UserError(error)
-    y_rank, m, t0 = np.array([b for _, b in seen], np.int64), hi - lo, time.time()
-    make = [c for c in corruptions if c not in cached]  # one loader for them all: its workers start once
-    chunks = [range(i * m + j, i * m + min(j + batch_size, m))  # batches of one corruption each
-              for i in range(len(make)) for j in range(0, m, batch_size)]
-    # one batch in flight per worker: a batch takes a worker seconds to corrupt, and holds S x B images (pinned)
-    batches = iter(loader(Corrupted(clean, make, made, seed, lo, hi), workers, batch_sampler=chunks,
-                          **dict(prefetch_factor=1) if workers else {}) if chunks else [])
-    cells = list(itertools.product(corruptions, severities))
-    k = {cell: torch.zeros(2, dtype=torch.float64, device=device) for cell in cells}
     try:
-        for i, c in enumerate(corruptions):
-            if c in cached:
-                data = np.load(os.path.join(cache_dir, f'{c}.npy'), mmap_mode='r')
-                for s in severities:
-                    k[c, s] = count(model, array_batches(data[(s - 1) * n + lo:(s - 1) * n + hi], y_rank, 0, m,
-                                                         batch_size), mean, std, amp)
-                continue
-            tmp = os.path.join(cache_dir, f'{c}.npy.tmp') if cache_dir else None
-            rows = np.load(tmp, mmap_mode='r+') if tmp else None  # the file rank 0 made: this rank's rows into it
-            for _ in range(len(chunks) // len(make)):
-                x, y, j = next(batches)  # x (B, S, H, W, 3) uint8: image j[b] at severity made[s] in x[b, s]
-                for t, s in enumerate(made):
-                    if rows is not None:
-                        rows[(s - 1) * n + int(j[0]):(s - 1) * n + int(j[-1]) + 1] = x[:, t].numpy()
-                x = x.to(device, non_blocking=True)
-                for s in severities:
-                    k[c, s] += count(model, [(x[:, made.index(s)].permute(0, 3, 1, 2), y, j)], mean, std, amp)
-            if rows is not None:
-                rows.flush()
-                del rows
-                if world > 1:  # every rank's rows are in: rank 0 renames the file whole
-                    dist.barrier()
-                if rank == 0:
-                    os.replace(tmp, os.path.join(cache_dir, f'{c}.npy'))
-            if progress:
-                print(f'corrupted {c} ({i + 1}/{len(corruptions)}): {m:,} images x {len(made)} severities '
-                      f'| {fmt_time(time.time() - t0)} elapsed', file=sys.stderr, flush=True)
+        for x, y, j in cc.loader(torch.utils.data.Subset(clean, range(lo, hi)), 0 if tensors else workers,
+                                 batch_size=batch_size):  # this rank's clean images (ImageNet: decoded in the workers)
+            if not tensors and keep is None:  # decoded once: kept for the corruptions
+                shape = image_shape(x[0])
+                kept = np.load(keep := cc.keep_file(m, shape), mmap_mode='r+')
+            seen += [(hashlib.sha256(a.numpy().tobytes()).digest(), int(b)) for a, b in zip(x, y)]  # the cache's
+            clean_k += count(model, [(x, y, j)], mean, std, amp)  # identity of the set: each image's sha256, label
+            if keep:
+                kept[int(j[0]) - lo:int(j[-1]) + 1 - lo] = x.permute(0, 2, 3, 1).numpy()
+        if keep:
+            kept.flush()  # (read back by path in the loader's workers)
+        cached, files = cache_verdict(clean, seen, n, shape, seed, version, cache_dir, corruptions, rank, world)
+        k = make_and_count(model, images_u8[lo:hi] if tensors else keep, seen, corruptions, severities, made, seed,
+                           cache_dir, cached, files, batch_size, workers, n, lo, hi, rank, world, mean, std, amp,
+                           progress)
     finally:  # Ctrl-C, a crash: no half-filled file is left (the corruptions finished stay)
-        for c in make if cache_dir and rank == 0 else []:
-            if os.path.exists(tmp := os.path.join(cache_dir, f'{c}.npy.tmp')):
-                os.remove(tmp)
+        for path in [*files.values(), keep] if rank == 0 else [keep]:
+            if path and os.path.exists(path):
+                os.remove(path)
+    cells = list(itertools.product(corruptions, severities))
     counts = all_reduce([k[cell] for cell in cells] + [clean_k], world)
     r = summarize(dict(zip(cells, counts)), counts[-1])
     which = 'CIFAR-10-C' if shape[0] == 32 else 'ImageNet-C (corrupted at 224 px, saved as JPEG)'
     r['note'] = NOTE.format(v=version, h=shape[0], w=shape[1], seed=seed, which=which)
     return r
+
+
+def image_shape(image):  # (3, H, W) uint8 of >= 32 px -> (H, W, 3): the package's and C layout
+    if image.dtype != torch.uint8 or image.ndim != 3 or min(image.shape[1:]) < 32:
+        raise UserError(f'need uint8 images (3, H, W) of at least 32 px; got {image.dtype} {tuple(image.shape)}')
+    return (*image.shape[1:], 3)
+
+
+def cache_verdict(clean, seen, n, shape, seed, version, cache_dir, corruptions, rank, world):
+    """Rank 0 gets every rank's digests and labels (bytes, not images), names an undecodable file or, alone (another
+    rank could see a half-made folder), opens or makes the cache; every rank gets the verdict. -> (cached, files)"""
+    everyone, cached, files, error = [seen] * world, set(), {}, None
+    if world > 1:
+        dist.gather_object(seen, everyone if rank == 0 else None, dst=0)
+    if rank == 0:
+        digests, y_all = zip(*[d for part in everyone for d in part])
+        y_all = np.asarray(y_all, np.int64)
+        if (y_all < 0).any():  # (data.Samples' mark; folder_batches says the same)
+            error = f'cannot decode {clean.samples[int(np.argmax(y_all < 0))][0]} (corrupt or truncated); replace or ' \
+                    'delete it'
+        elif cache_dir:
+            meta = {'made_by': cc.CACHE_MARK, 'seed': seed, 'n': n, 'image_shape': list(shape), 'package': version,
+                    'sha256': hashlib.sha256(b''.join(digests) + y_all.tobytes()).hexdigest(),
+                    'sha256_of': 'the per-image sha256 digests, then the int64 labels'}
+            try:
+                cached, files = cc.use_cache(cache_dir, meta, y_all, corruptions)
+            except UserError as e:
+                error = str(e)
+    if world > 1:
+        dist.broadcast_object_list(box := [error, cached, files])
+        error, cached, files = box
+    if error:
+        raise UserError(error)
+    return cached, files
+
+
+def make_and_count(model, rows, seen, corruptions, severities, made, seed, cache_dir, cached, files, batch_size,
+                   workers, n, lo, hi, rank, world, mean, std, amp, progress):
+    """{(corruption, severity): [correct, n] on this rank}: cached corruptions read back (this rank's rows lo..hi),
+    the others made from `rows` (this rank's images, decoded once), scored, and written into the files rank 0 made."""
+    y_rank, m, t0 = torch.tensor([b for _, b in seen], dtype=torch.int64), hi - lo, time.time()
+    make = [c for c in corruptions if c not in cached]  # one loader for them all: its workers start once
+    chunks = [range(i * m + j, i * m + min(j + batch_size, m))  # batches of one corruption each
+              for i in range(len(make)) for j in range(0, m, batch_size)]
+    # one batch in flight per worker: a batch takes a worker seconds to corrupt, and holds S x B images (pinned)
+    batches = iter(cc.loader(cc.Corrupted(rows, m, make, made, seed, lo), workers, batch_sampler=chunks,
+                             **dict(prefetch_factor=1) if workers else {}) if chunks else [])
+    k = {cell: torch.zeros(2, dtype=torch.float64, device=mean.device)
+         for cell in itertools.product(corruptions, severities)}
+    for i, c in enumerate(corruptions):
+        if c in cached:
+            for s in severities:
+                k[c, s] = count(model, array_batches(cc.rows(cache_dir, c, s, n, lo, hi), y_rank, 0, m, batch_size),
+                                mean, std, amp)
+            continue
+        fill = cc.Filler(files[c], n, lo, hi, rank, world) if cache_dir else None
+        for _ in range(len(chunks) // len(make)):
+            x, j = next(batches)  # x (B, S, H, W, 3) uint8: image j[b] at severity made[s] in x[b, s]
+            for t, s in enumerate(made if fill else ()):
+                fill.write(s, int(j[0]), x[:, t].numpy())
+            x, y = x.to(mean.device, non_blocking=True), y_rank[j - lo]
+            for s in severities:
+                k[c, s] += count(model, [(x[:, made.index(s)].permute(0, 3, 1, 2), y, j)], mean, std, amp)
+        if fill:
+            fill.finish()  # every rank's rows are in: rank 0 renames the file whole
+            if rank == 0:
+                os.replace(files[c], os.path.join(cache_dir, f'{c}.npy'))
+        if progress:
+            print(f'corrupted {c} ({i + 1}/{len(corruptions)}): {m:,} images x {len(made)} severities '
+                  f'| {fmt_time(time.time() - t0)} elapsed', file=sys.stderr, flush=True)
+    return k
 
 
 # -----------------------------------------------------------------------------
@@ -423,7 +321,7 @@ def read_cifar10c(root, corruptions, num_classes):
     labels = load_npy(os.path.join(root, 'labels.npy'), 'fetch it again')
     arrays = {c: load_npy(os.path.join(root, f'{c}.npy'), 'fetch it again') for c in corruptions}
     for c, a in arrays.items():
-        if a.dtype != np.uint8 or a.ndim != 4 or a.shape[-1] != 3 or len(a) % len(SEVERITIES):
+        if a.dtype != np.uint8 or a.ndim != 4 or a.shape[-1] != 3 or len(a) % len(SEVERITIES) or not len(a):
             raise UserError(f'{root}/{c}.npy is {a.dtype} {a.shape}; expected uint8 (5 x N, H, W, 3)')
         if len(a) != len(labels):
             raise UserError(f'{root}/labels.npy has {len(labels)} labels but {c}.npy has {len(a)} images')
@@ -601,12 +499,10 @@ def main(argv=None):
     if argv[:1] == ['compare']:
         return compare(argv[1:])
     args = get_args(argv)
-    fresh = not os.path.exists(args.out)
     try:
         return run(args, *prepare(args))
     except BaseException:  # a refusal, Ctrl-C, a crash: an --out made by this run and still empty goes again
-        if fresh and os.path.isdir(args.out) and not os.listdir(args.out):
-            os.rmdir(args.out)
+        discard_new_dirs()
         raise
 
 
@@ -619,8 +515,8 @@ def prepare(args):
     if args.benchmark and not args.no_plot:
         figures.pyplot(PLOT_HINT)
     if args.benchmark == 'corrupt':
-        corruption_package()
-        open_cache(args.cache or os.path.join(args.out, 'corrupted'))  # (again with the images, on rank 0)
+        cc.package()
+        cc.open_cache(args.cache or os.path.join(args.out, 'corrupted'))  # (again with the images, on rank 0)
     if not os.path.isfile(args.checkpoint):
         raise UserError(f'--checkpoint {args.checkpoint}: no such file')
     stored = stored_args(args.checkpoint, '--checkpoint') or {}  # our last.pt (any script), else {}
@@ -636,11 +532,11 @@ def prepare(args):
     imagenet_only(dataset, args.checkpoint, stored, **{k: getattr(args, k) for k in EVAL_PREP})
     clean_root = args.clean if args.benchmark in ('imagenet-c', 'imagenet-r', 'cifar10-c') else args.data
     classes, samples = folder_samples(clean_root, args.subset) if dataset == 'imagenet' else (None, None)  # (sorted)
-    try:  # a real write now, not after hours of evaluation (permission bits do not stop root)
-        os.makedirs(args.out, exist_ok=True)
-        tempfile.TemporaryFile(dir=args.out).close()
-    except OSError as e:
-        raise UserError(f'--out {args.out} is not writable: {e.strerror or e}')
+    if samples == []:  # class folders without images: no figure of nothing
+        raise UserError(f'{clean_root} holds no images ({", ".join(IMG_EXTENSIONS)}) in its class folders')
+    # a real write now, not after hours of evaluation; rank 0 holds OUT/.lock as the training scripts do (runs.py):
+    # a second run into --out is refused while this one runs (what results.json holds is checked above)
+    prepare_out(SimpleNamespace(out=args.out, overwrite=True, resume=None), lock=os.environ.get('RANK', '0') == '0')
     return stored, dataset, clean_root, classes, samples
 
 
@@ -694,6 +590,8 @@ def run(args, stored, dataset, clean_root, classes, samples):
             # beside ImageNet-R, its paper's clean figure: the val images of the same 200 classes, masked alike
             groups = {'imagenet_r': ([(p, classes.index(r_classes[y])) for p, y in r_samples], mask),
                       'clean_200': ([s for s in samples if classes[s[1]] in in_r], mask)}
+            if not (groups['imagenet_r'][0] and groups['clean_200'][0]):  # no figure of nothing
+                raise UserError(f"no images of ImageNet-R's 200 classes in {args.data} or in --clean {clean_root}")
         groups['clean'] = (samples, None)
         k = all_reduce([count(model, folder_batches(g, transform, batch, args.workers, rank, world), mean, std, amp, m)
                         for g, m in groups.values()], world)

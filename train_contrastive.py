@@ -48,16 +48,16 @@ from torchvision.transforms import v2
 import augment
 import vit
 from data import MEAN, NUM_CLASSES, STD, ImageFolder, load_cifar
-from flags import check_lr_not_all_zero, check_ranges, given
+from flags import check_lr_not_all_zero, check_ranges, given, refuse_loose
 from images import decoded_images
 from loader import node_workers
 from models import build_model, load_weights, parse_model_kw
+from probes import features, gather_rows, knn_scores, linear_probe
 from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, one_line,
                    rank_zero_first, setup, since_checkpoint, sync_buffers, wrap_ddp)
 
-# BYOL's augmentations as MoCo v3 uses them (main_moco.py augmentation1 / augmentation2): (view 0, view 1).
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 ARCH = ('dataset', 'model', 'model_kw', 'img_size', 'proj_hidden', 'proj_dim', 'pos_embed', 'freeze_patch_embed')
 RUN_KEYS = {'model', 'moco', 'optimizer', 'scaler', 'epoch', 'step', 'history', 'args'}  # what last.pt holds
@@ -145,20 +145,32 @@ def get_args(argv=None):
                         'proj_dim', 'crop_min', 'tau', 'knn_t'],
                  ['train_subset', 'test_subset', 'linear_wd', 'log_every', 'eval_every', 'stop_after_epoch', 'workers',
                   'warmup_epochs', 'wd', 'clip_grad', 'rho', 'lr', 'moco_m', 'seed'], {}, stored_in=run)
-    if args.warmup_epochs > args.epochs:
-        raise UserError(f'--warmup-epochs {args.warmup_epochs} exceeds --epochs {args.epochs}')
-    if not args.sam and (loose := given(p, argv, 'rho', 'adaptive')):
-        raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
+    for flag, k in (('--warmup-epochs', 'warmup_epochs'), ('--stop-after-epoch', 'stop_after_epoch')):
+        if getattr(args, k) > args.epochs:  # (stopping after an epoch the run never reaches: a flag acting on nothing)
+            raise UserError(f'{flag} {getattr(args, k)} exceeds --epochs {args.epochs}')
+    tiny = torch.finfo(torch.float32).tiny  # 1 / T scales float32 cosines: below float32's smallest normal, inf
+    if bad := [f'--{k.replace("_", "-")} {getattr(args, k):g}' for k in ('tau', 'knn_t') if getattr(args, k) < tiny]:
+        raise UserError(f"{bad[0]} is below float32's smallest normal number ({tiny:.3g}): cos / T would overflow")
+    args.eval = list(dict.fromkeys(args.eval))  # `--eval linear linear`: the probe once
+    refuse_loose(p, argv, [(args.sam, '--sam', ('rho', 'adaptive')),
+                           ('knn' in args.eval, '--eval knn', ('knn_k', 'knn_t')),
+                           ('linear' in args.eval, '--eval linear', ('linear_epochs', 'linear_wd')),
+                           (args.dataset != 'imagenet', '--dataset cifar10 or cifar100',
+                            ('train_subset', 'test_subset'))])
+    for k in ARCH[1:] if 'saved_args' in args else ():  # the weights are the run's: name the flag, not the tensors
+        if k in args.saved_args and given(p, argv, k) and typed(k, args.saved_args[k]) != typed(k, getattr(args, k)):
+            raise UserError(f'{run} is a run with {typed(k, args.saved_args[k])}: its weights are of that '
+                            f'architecture; leave {typed(k, getattr(args, k)).split()[0]} out (or start a new run)')
     return args
 
 
+def typed(key, v):  # the flag that sets `key` to v as a command line types it (a list's words sorted: any order)
+    return f'--{"no-" * (not v)}{key}'.replace('_', '-') if isinstance(v, bool) else \
+        f'--{key.replace("_", "-")} {" ".join(sorted(map(str, v))) if isinstance(v, list) else v}'
+
+
 # -----------------------------------------------------------------------------
-# Views, on the device and batched, from augment.py's ops (each equal to torchvision's on uint8 images; tested).
-# Every draw first, in torchvision's order; then one host sync reads which images drew jitter, grey, blur and
-# where in the jitter order hue runs, and each of those ops runs on those images only (they are per image: the
-# same pixels as running it on all and keeping it where drawn, tests/test_fast_input.py; README, Performance).
-# -----------------------------------------------------------------------------
-# Model: MoCo v3 (Chen, Xie & He 2021, Sec. 3, Alg. 1) around vit.py's VisionTransformer.
+# Model: MoCo v3 (Chen, Xie & He 2021, Sec. 3, Alg. 1) around vit.py's VisionTransformer (views: augment.py).
 def build_backbone(args):
     """The ViT without a head (forward gives the head's input: the feature), built as train_cifar.py builds it
     (models.build_model), so that it has the geometry of the model it fine-tunes (patch p/4 at 32 px)."""
@@ -277,70 +289,7 @@ def load_data(args, device, rank=0, world=1):
 
 
 # -----------------------------------------------------------------------------
-# Evaluation on frozen features, exact under DDP: rank r embeds images [n*r/W, n*(r+1)/W) (no padding,
-# no duplicates); the training features are gathered whole onto every rank.
-@torch.no_grad()
-def features(backbone, images, lo, hi, args, autocast, mean, std):
-    backbone.eval()
-    if isinstance(images, torch.Tensor):
-        batches = (images[s:min(s + args.eval_batch_size, hi)] for s in range(lo, hi, args.eval_batch_size))
-    else:  # load_data's loader of rows lo..hi-1; an unreadable image is named (images.check_decoded)
-        batches = (decoded_images(batch, images.dataset) for batch in images)
-    out = [torch.zeros(0, backbone.pos_embed.shape[-1], device=mean.device)]
-    for x in batches:
-        with autocast:
-            out.append(backbone(augment.normalize(x.to(mean.device, non_blocking=True), mean, std)).float())
-    backbone.train()
-    return torch.cat(out)
-
-
-def gather_rows(t, n, world):
-    """The row blocks [n*r//W, n*(r+1)//W) of all ranks, in order (padded for all_gather, then trimmed)."""
-    if world == 1:
-        return t
-    sizes = [n * (r + 1) // world - n * r // world for r in range(world)]
-    buf = [t.new_empty(max(sizes), *t.shape[1:]) for _ in sizes]
-    dist.all_gather(buf, torch.cat([t, t.new_zeros(max(sizes) - len(t), *t.shape[1:])]))
-    return torch.cat([b[:s] for b, s in zip(buf, sizes)])
-
-
-def knn_scores(train_f, train_y, test_f, classes, k, T):
-    """Weighted k-NN (Wu et al. 2018; DINO eval_knn.py): the k most cosine-similar training features vote
-    for their labels with weight exp(cos / T). Returns (n_test, classes) vote shares."""
-    train_f, test_f = F.normalize(train_f, dim=1), F.normalize(test_f, dim=1)
-    chunk, out = max(1, 2 ** 25 // max(len(train_f), 1)), [torch.zeros(0, classes, device=test_f.device)]
-    for s in range(0, len(test_f), chunk):  # similarity blocks of <= 128 MB
-        sim, idx = (test_f[s:s + chunk] @ train_f.T).topk(min(k, len(train_f)), dim=1)
-        votes = torch.zeros(len(sim), classes, device=sim.device).scatter_add_(1, train_y[idx], (sim / T).exp())
-        out.append(votes / votes.sum(1, keepdim=True))
-    return torch.cat(out)
-
-
-def linear_probe(train_f, train_y, classes, args):
-    """A linear classifier on frozen features standardised with the training mean/std (the MAE probe's
-    affine-free BN), main_lincls.py's init N(0, 0.01), trained on all the cached unaugmented features at once by
-    L-BFGS (strong Wolfe line search) for --linear-epochs iterations: the objective main_lincls.py's SGD (batch
-    256, 100 epochs: ~500k tiny steps on ImageNet) descends, in ~100 full-batch steps (deviation: no SGD noise or
-    schedule; README, Performance, compares the two). Deterministic given the seed. -> (classifier, mu, sd)"""
-    mu, sd = train_f.mean(0), train_f.std(0) + 1e-6
-    z = (train_f - mu) / sd  # (n, D): on ImageNet-1k with ViT-B, 3.9 GB in float32, and logits of 5.1 GB
-    g = torch.Generator(train_f.device).manual_seed(args.seed)
-    clf = nn.Linear(train_f.shape[1], classes).to(train_f.device)
-    nn.init.normal_(clf.weight, std=0.01, generator=g)
-    nn.init.zeros_(clf.bias)
-    opt = torch.optim.LBFGS(clf.parameters(), max_iter=args.linear_epochs, history_size=20,
-                            tolerance_grad=1e-9, tolerance_change=1e-12, line_search_fn='strong_wolfe')
-
-    def closure():  # the whole objective (L-BFGS reads it on the host: one sync per evaluation)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(clf(z), train_y) + args.linear_wd / 2 * clf.weight.pow(2).sum()
-        loss.backward()
-        return loss
-    with torch.enable_grad():
-        opt.step(closure)
-    return clf, mu, sd
-
-
+# Evaluation on frozen features (probes.py: the features, k-NN, the linear probe), exact under DDP.
 def evaluate(backbone, data, args, autocast, rank, world, epoch, step, t_start):
     """One eval row per protocol: loss (cross-entropy; k-NN: -log of the true class's vote share, floored
     at 1e-6), top-1/5 (%), correct and n counted over the whole test set, each image once."""
@@ -350,6 +299,8 @@ def evaluate(backbone, data, args, autocast, rank, world, epoch, step, t_start):
                                    args, autocast, mean, std), n_tr, world)
     lo, hi = n_te * rank // world, n_te * (rank + 1) // world
     test_f, test_y = features(backbone, data['test'], lo, hi, args, autocast, mean, std), data['test_y'][lo:hi]
+    if not train_f.isfinite().all():  # (one sync; train_f is every rank's) no nan accuracy, no unwritable metrics
+        raise UserError(f"the backbone's features are not finite (inf/nan) at epoch {epoch}: nothing to probe")
     rows = []
     for protocol in args.eval:
         if protocol == 'knn':
@@ -415,6 +366,12 @@ def epoch_order(args, data, gen, steps, B, b, rank):
     return perm.to(gen.device), iter(data['train'])  # (the persistent workers take this epoch's batches)
 
 
+def eval_line(args, rows, world):
+    return (f'eval | {args.checkpoint or f"random init, seed {args.seed}"} | {args.model} on {args.dataset} | '
+            + ' | '.join(f'{r["protocol"]} acc {r["top1"]:.2f}% ({r["correct"]}/{r["n"]}) loss {r["loss"]:.4f}'
+                         for r in rows) + f' | world {world}')
+
+
 def done_line(args, history, t_start, last):
     accs = {p: [r['top1'] for r in history if r['kind'] == 'eval' and r['protocol'] == p] for p in args.eval}
     return (f'done | {args.model} on {args.dataset} | epoch {args.epochs}/{args.epochs} | '
@@ -437,11 +394,10 @@ def main(argv=None):
     with rank_zero_first(proc) if args.dataset != 'imagenet' else contextlib.nullcontext():  # a CIFAR download
         data = load_data(args, device, rank, world)  # (ImageNet: each rank scans the folders itself, no barrier)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in data['norm'])
+    if (have := len(data['train_y'].unique())) < 2:  # a probe of one class would score 100% of nothing
+        raise UserError(f'the training set holds images of {have} class: the k-NN and linear probes need 2 or more')
     if args.eval_only:
-        rows = evaluate(backbone, data, args, autocast, rank, world, 0, 0, t_start)
-        log(f'eval | {args.checkpoint or f"random init, seed {args.seed}"} | {args.model} on {args.dataset} | '
-            + ' | '.join(f'{r["protocol"]} acc {r["top1"]:.2f}% ({r["correct"]}/{r["n"]}) loss {r["loss"]:.4f}'
-                         for r in rows) + f' | world {world}')
+        log(eval_line(args, evaluate(backbone, data, args, autocast, rank, world, 0, 0, t_start), world))
         return leave(ddp)
     if (steps := (n_train := len(data['train_y'])) // B) == 0:  # the last partial batch is dropped
         raise UserError(f'the training set has {n_train} images, fewer than --batch-size {B}')

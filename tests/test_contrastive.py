@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
+from torchvision.transforms import v2
 
 import augment
 import data
@@ -30,7 +31,8 @@ from conftest import REPO
 SCRIPT = str(REPO / 'train_contrastive.py')
 # A 2-block ViT of width 64 on 8x8-px patches (16 tokens), small MLP heads: ~0.2M parameters.
 TINY = ['--model', 'vit_ti16', '--model-kw', 'dim=64', 'depth=2', 'heads=2', 'patch_size=8',
-        '--proj-hidden', '256', '--proj-dim', '64', '--linear-epochs', '30', '--log-every', '0']
+        '--proj-hidden', '256', '--proj-dim', '64', '--log-every', '0']
+PROBE = ['--linear-epochs', '30']  # (with --eval linear only: refused with --eval knn alone, T03)
 
 
 pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
@@ -110,7 +112,7 @@ def test_identical_views_small_tau_give_zero_loss():
 def test_momentum_update_is_exact_and_resume_bit_identical(cifar10_dir, tmp_path):
     m0 = 0.5
     common = ['--data', cifar10_dir, '--train-subset', 32, '--test-subset', 20, '--batch-size', 32, '--epochs', 2,
-              '--warmup-epochs', 0, '--lr', 1e-2, '--moco-m', m0, '--stop-after-epoch', 1, *TINY,
+              '--warmup-epochs', 0, '--lr', 1e-2, '--moco-m', m0, '--stop-after-epoch', 1, *TINY, *PROBE,
               '--pos-embed', 'learned', '--no-freeze-patch-embed']  # every parameter trained
     procs = {name: start(*common, *extra, '--out', tmp_path / name) for name, extra in
              (('plain', []), ('sam', ['--sam', '--rho', 0.5]), ('full', ['--stop-after-epoch', 0]))}
@@ -149,7 +151,8 @@ def test_momentum_update_is_exact_and_resume_bit_identical(cifar10_dir, tmp_path
 # shards of 50 and 51).
 def test_ddp_equals_single_process(cifar10_dir, tmp_path):
     common = ['--data', cifar10_dir, '--train-subset', 192, '--test-subset', 101, '--batch-size', 64,
-              '--epochs', 1, '--warmup-epochs', 0, '--lr', 1e-3, *TINY, '--log-every', 1, '--eval-batch-size', 32]
+              '--epochs', 1, '--warmup-epochs', 0, '--lr', 1e-3, *TINY, *PROBE, '--log-every', 1,
+              '--eval-batch-size', 32]
     one = start(*common, '--out', tmp_path / 'one')
     two = start(tmp_path / 'casts', SCRIPT, *common, '--out', tmp_path / 'two', nproc=2,
                 script=str(REPO / 'tests' / 'ddp_broadcasts.py'))  # (the profiler counts the broadcasts)
@@ -183,7 +186,7 @@ def test_ddp_equals_single_process(cifar10_dir, tmp_path):
 # frozen (MoCo v3's trick for stability at scale) it learns more slowly. Its backbone loads into
 # train_cifar.py's model for fine-tuning.
 def test_learns_and_exports(cifar10_dir, tmp_path):
-    common = ['--data', cifar10_dir, '--train-subset', 2000, '--test-subset', 5000, *TINY, '--batch-size', 64,
+    common = ['--data', cifar10_dir, '--train-subset', 2000, '--test-subset', 5000, *TINY, *PROBE, '--batch-size', 64,
               '--epochs', 6, '--warmup-epochs', 1, '--lr', 3e-3, '--moco-m', 0.9, '--crop-min', 0.25,
               '--no-freeze-patch-embed', '--eval-every', 0]
     procs = {'plain': start(*common, '--out', tmp_path / 'plain'),
@@ -290,7 +293,10 @@ def test_view_applies_ops_with_their_probabilities(images, monkeypatch):
                                   'out-holds-run', 'out-is-file', 'warmup', 'batch-1', 'lr-nan', 'wd-nan',
                                   'clip-grad-nan', 'rho-inf', 'rho-without-sam', 'resume-cifar-run',
                                   'C16-seed-over-64-bits', 'O03-eval-a-cifar-run', 'O04-eval-an-imagenet-run',
-                                  'img-size-0', 'resume-damaged-args'])
+                                  'img-size-0', 'resume-damaged-args', 'T03-linear-flags-with-knn',
+                                  'T04-knn-flags-with-linear', 'T05-knn-t-below-float32', 'tau-below-float32',
+                                  'subset-of-imagenet', 'stop-after-past-epochs', 'U05-resume-proj-dim',
+                                  'U03-resume-no-freeze', 'U04-resume-pos-embed', 'resume-model-kw'])
 def test_bad_input_in_process(case, tmp_path, monkeypatch):
     (tmp_path / 'run').mkdir()
     (tmp_path / 'run' / 'metrics.jsonl').write_text('{}\n')
@@ -315,7 +321,7 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch):
         'wd-nan': (['--wd', 'nan'], '--wd must be a finite number >= 0, got nan'),
         'clip-grad-nan': (['--clip-grad', 'nan'], '--clip-grad must be a finite number >= 0, got nan'),
         'rho-inf': (['--sam', '--rho', 'inf'], '--rho must be a finite number >= 0, got inf'),
-        'rho-without-sam': (['--rho', 0.1], '--rho only act with --sam'),
+        'rho-without-sam': (['--rho', 0.1], '--rho only acts with --sam: add it, or leave it out'),
         'resume-cifar-run': (['--resume', tmp_path / 'cifar_last.pt'],
                              'cifar_last.pt is a last.pt of train_cifar.py: continue it with train_cifar.py --resume'),
         # issue 34
@@ -329,7 +335,32 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch):
         'img-size-0': (['--img-size', 0], '--img-size must be a finite number > 0 and <= 1024, got 0'),  # was 32
         'resume-damaged-args': (['--resume', tmp_path / 'damaged.pt'],
                                 f"--lr must be a number, got 'fast' (from the args stored in {tmp_path / 'damaged.pt'}"),
+        # issue 42 (bad-inputs-3): flags acting on nothing, an edge float32 cannot compute, an architecture changed
+        'T03-linear-flags-with-knn': (['--eval', 'knn', '--linear-wd', 0.5],  # (--linear-epochs: PROBE's)
+                                      '--linear-epochs, --linear-wd only act with --eval linear: add it, or leave'),
+        'T04-knn-flags-with-linear': (['--eval', 'linear', '--knn-k', 5, '--knn-t', 0.5],
+                                      '--knn-k, --knn-t only act with --eval knn'),
+        'T05-knn-t-below-float32': (['--knn-t', 1e-39], "--knn-t 1e-39 is below float32's smallest normal number "
+                                                        '(1.18e-38): cos / T would overflow'),
+        'tau-below-float32': (['--tau', 1e-40], "--tau 1e-40 is below float32's smallest normal number"),
+        'subset-of-imagenet': (['--dataset', 'imagenet', '--train-subset', 100],
+                               '--train-subset only acts with --dataset cifar10 or cifar100'),
+        'stop-after-past-epochs': (['--stop-after-epoch', 60], '--stop-after-epoch 60 exceeds --epochs 50'),
+        'U05-resume-proj-dim': (['--resume', tmp_path / 'moco.pt', '--proj-dim', 32],
+                                f'{tmp_path / "moco.pt"} is a run with --proj-dim 64: its weights are of that '
+                                'architecture; leave --proj-dim out (or start a new run)'),
+        'U03-resume-no-freeze': (['--resume', tmp_path / 'moco.pt', '--no-freeze-patch-embed'],
+                                 'is a run with --freeze-patch-embed: its weights are of that architecture; leave '
+                                 '--no-freeze-patch-embed out'),
+        'U04-resume-pos-embed': (['--resume', tmp_path / 'moco.pt', '--pos-embed', 'learned'],
+                                 'is a run with --pos-embed sincos: its weights'),
+        'resume-model-kw': (['--resume', tmp_path / 'moco.pt', '--model-kw', 'dim=32', 'depth=2', 'heads=2'],
+                            'is a run with --model-kw depth=2 dim=64 heads=2 patch_size=8: its weights'),
     }[case]
+    arch = {'model': 'vit_ti16', 'model_kw': TINY[3:7], 'proj_dim': 64, 'pos_embed': 'sincos',
+            'freeze_patch_embed': True}
+    torch.save({'model': {}, 'optimizer': {}, 'scaler': {}, 'epoch': 1, 'step': 1, 'history': [], 'moco': {},
+                'args': arch}, tmp_path / 'moco.pt')  # a run of ours: only what refuses it is read
     run_keys = {'model': {}, 'optimizer': {}, 'scaler': {}, 'epoch': 1, 'step': 1, 'history': [], 'args': {}}
     torch.save(run_keys, tmp_path / 'cifar_last.pt')  # what train_cifar.py's last.pt holds
     torch.save({**run_keys, 'steps_per_epoch': 1}, tmp_path / 'imagenet_last.pt')
@@ -338,7 +369,7 @@ def test_bad_input_in_process(case, tmp_path, monkeypatch):
         monkeypatch.setenv('WORLD_SIZE', '3')
     for proxy in ('http_proxy', 'https_proxy', 'HTTP_PROXY', 'HTTPS_PROXY'):  # offline: no CIFAR download
         monkeypatch.setenv(proxy, 'http://127.0.0.1:9')
-    argv = ['--data', tmp_path / 'empty', '--out', tmp_path / 'out', '--epochs', 50, *TINY, *args]
+    argv = ['--data', tmp_path / 'empty', '--out', tmp_path / 'out', '--epochs', 50, *TINY, *PROBE, *args]
     with pytest.raises(utils.UserError) as e:  # the one user-error class of every script
         tc.main([str(a) for a in argv])
     assert expect in str(e.value), str(e.value)
@@ -440,7 +471,7 @@ def test_data_folders_one_class_16_bit_and_a_decompression_bomb(cifar10_dir, tmp
     for f in (root / 'train' / 'cat').iterdir():
         f.unlink()
         Image.fromarray(level).save(f.with_suffix('.png'))
-    args = tc.get_args(['--data', str(root), *TINY])
+    args = tc.get_args(['--data', str(root), *TINY, *PROBE])
     loaded = tc.load_data(args, 'cpu')
     cats = loaded['train'][loaded['train_y'] == 3]
     assert torch.equal(cats, torch.from_numpy(np.round(level / 257).astype(np.uint8)).expand(2, 3, 32, 32))
@@ -451,6 +482,120 @@ def test_data_folders_one_class_16_bit_and_a_decompression_bomb(cifar10_dir, tmp
     for split in ('train', 'test'):
         shutil.copytree(root / split / 'airplane', one / split / 'airplane')
     with pytest.raises(utils.UserError) as e:
-        tc.load_data(tc.get_args(['--data', str(one), *TINY]), 'cpu')
+        tc.load_data(tc.get_args(['--data', str(one), *TINY, *PROBE]), 'cpu')
     assert 'has 1 class folders, cifar10 has 10: --data must hold all 10' in str(e.value)
     assert '--classes' not in str(e.value)
+
+
+# -----------------------------------------------------------------------------
+# 8. Issue 48 (2, 3): MoCo v3's recipe pinned to its official code (facebookresearch/moco-v3 at c349e6e, read with
+# the fetch tool, typed in here): the views, the momentum schedule, the defaults. Issue 42: the k-NN votes at a
+# small T, the probes' data, a resume's architecture.
+MOCO_V3_VIEWS = dict(  # main_moco.py lines 262-285: augmentation1 (view 0), augmentation2 (view 1)
+    ratio=(3 / 4, 4 / 3),  # transforms.RandomResizedCrop(224, scale=(args.crop_min, 1.)): torchvision's default ratio
+    jitter=(0.4, 0.4, 0.2, 0.1), p_jitter=0.8,  # RandomApply([ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8)
+    p_gray=0.2,  # RandomGrayscale(p=0.2)
+    blur_sigma=(0.1, 2.0), p_blur=(1.0, 0.1),  # RandomApply([GaussianBlur([.1, 2.])], p=1.0 / 0.1)
+    p_solarize=(0.0, 0.2),  # view 1 only: RandomApply([Solarize()], p=0.2)
+    p_flip=0.5)  # RandomHorizontalFlip()
+
+
+def test_the_views_take_moco_v3_s_constants():
+    """A saturation of 0.4 for the recipe's 0.2 (issue 48 (2)) passed every test: no test held the recipe."""
+    assert augment.MOCO_AUG == MOCO_V3_VIEWS
+
+
+def test_a_view_s_saturation_moves_as_moco_v3_s_jitter_does(images, monkeypatch):
+    """The views' colour statistics against the recipe run by torchvision (RandomApply(ColorJitter(0.4, 0.4, 0.2,
+    0.1), p=0.8) per image): the spread over 600 views of log(chroma / luma std), whose ratio to the image's is the
+    saturation factor (brightness and contrast scale both; a hue rotation moves it a little). Measured: 0.136 here,
+    0.131 torchvision's; saturation 0.4 gives 0.231 (torchvision's 0.234; standard error ~0.005)."""
+    for key, value in (('p_gray', 0.0), ('p_blur', (0.0, 0.0)), ('p_solarize', (0.0, 0.0)), ('ratio', (1.0, 1.0))):
+        monkeypatch.setitem(augment.MOCO_AUG, key, value)  # the jitter alone (whole-image crops, the flip)
+    x = images.repeat(3, 1, 1, 1)
+
+    def spread(v):  # (N, 3, H, W) in [0, 1] -> std over images of log(q(view) / q(image))
+        def q(t):
+            luma = (0.299 * t[:, 0] + 0.587 * t[:, 1] + 0.114 * t[:, 2]).flatten(1).std(1)
+            return (t.max(1).values - t.min(1).values).mean((1, 2)), luma
+        (c0, l0), (c1, l1) = q(x.float() / 255), q(v)
+        keep = (c0 > 0.03) & (l0 > 0.03)  # (not grey or flat)
+        return ((c1 / l1) / (c0 / l0)).log()[keep].std().item()
+    torch.manual_seed(0)
+    recipe = v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.2, 0.1)], p=0.8)
+    want = spread(torch.stack([recipe(img) for img in x]).float() / 255)
+    zero, one = torch.zeros(1, 3, 1, 1), torch.ones(1, 3, 1, 1)
+    view = lambda: augment.moco_view(x, torch.Generator().manual_seed(1), len(x), 0, len(x), 0, 32, 1.0, zero, one)
+    assert abs(spread(view()) - want) < 0.03, (spread(view()), want)
+    monkeypatch.setitem(augment.MOCO_AUG, 'jitter', (0.4, 0.4, 0.4, 0.1))  # what this test is to see
+    assert spread(view()) - want > 0.06
+
+
+def test_the_defaults_are_moco_v3_s_vit_small_recipe_and_dino_s_knn():
+    """CONFIG.md, "ViT-Small, 4-node (32-GPU) pre-training": main_moco.py -a vit_small --optimizer=adamw --lr=1.5e-4
+    --weight-decay=.1 --epochs=300 --warmup-epochs=40 --stop-grad-conv1 --moco-m-cos --moco-t=.2, and main_moco.py's
+    defaults: --batch-size 4096 (global), --moco-m 0.99, --moco-mlp-dim 4096, --moco-dim 256, --crop-min 0.08,
+    lr = lr x batch / 256 (line 190). DINO's eval_knn.py: --temperature 0.07, k 20 of its --nb_knn."""
+    args = tc.get_args([])
+    assert (args.batch_size, args.lr, args.wd, args.epochs, args.warmup_epochs) == (4096, 1.5e-4 * 4096 / 256, 0.1,
+                                                                                    300, 40)
+    assert (args.freeze_patch_embed, args.tau, args.moco_m, args.proj_hidden, args.proj_dim, args.crop_min) == (
+        True, 0.2, 0.99, 4096, 256, 0.08)
+    assert (args.knn_k, args.knn_t, args.pos_embed) == (20, 0.07, 'sincos')
+    assert tc.get_args(['--batch-size', '1024']).lr == 1.5e-4 * 1024 / 256
+
+
+def test_momentum_follows_moco_v3_s_cosine_from_the_first_step_to_the_last(cifar10_dir, tmp_path, monkeypatch):
+    """Issue 48 (3): the schedule inverted (1 - cos for 1 + cos: m from 1 down to --moco-m) passed every test: the one
+    run they checked took its single update at the half-way point, where both give (1 + m0) / 2. main_moco.py's
+    adjust_moco_momentum at iteration g of N: m_g = 1 - (1 + cos(pi g / N)) / 2 x (1 - m0); f_k updated with m_g
+    before iteration g's keys (g = 0 a no-op: f_k = f_q). Here f_k follows each step with m_{g+1} before the next
+    step's keys: the updates of a 2-epoch run of 4 steps an epoch are m_1 .. m_8, the last 1. The same run's k-NN at
+    T = 0.005 (T09: exp(cos / T) overflowed float32 there, a nan accuracy, then a traceback) is written whole."""
+    m0, N, seen = 0.9, 8, []
+    update = tc.MoCo.update_momentum_encoder
+    monkeypatch.setattr(tc.MoCo, 'update_momentum_encoder', lambda self, m: seen.append(m) or update(self, m))
+    tiny_run('--data', cifar10_dir, '--train-subset', 40, '--test-subset', 20, '--batch-size', 10, '--epochs', 2,
+             '--warmup-epochs', 0, '--moco-m', m0, *TINY, '--eval', 'knn', '--knn-t', 0.005, '--out', tmp_path / 'r')
+    closed = [1 - (1 + math.cos(math.pi * g / N)) / 2 * (1 - m0) for g in range(1, N + 1)]
+    assert seen == pytest.approx(closed, rel=0, abs=1e-12) and seen[-1] == 1.0
+    assert seen[0] == pytest.approx(0.9 + 0.05 * (1 - math.cos(math.pi / 8)), abs=1e-12)  # 0.90381, not 0.99619
+    knn, = rows(tmp_path / 'r', 'eval')
+    assert knn['protocol'] == 'knn' and knn['n'] == 20 and math.isfinite(knn['loss']) and 0 <= knn['top1'] <= 100
+
+
+def test_knn_votes_at_a_small_t_equal_an_fp64_oracle():
+    """T09: DINO's weights exp(cos / T) in float32 overflow once cos / T > 88.7 (T below ~0.0113 with a neighbour near
+    cos 1): inf / inf = nan. The vote shares at T = 0.005, neighbours at cos ~0.99 (cos / T ~200), equal exp(cos / T)
+    written out in float64 (which holds exp(200)), to float32's resolution of cos / T."""
+    g = torch.Generator().manual_seed(0)
+    train_f, train_y = torch.randn(300, 16, generator=g), torch.randint(0, 5, (300,), generator=g)
+    test_f = train_f[:40] + 0.05 * torch.randn(40, 16, generator=g)
+    got = tc.knn_scores(train_f, train_y, test_f, 5, 20, 0.005)
+    a, b = (f.double() / f.double().norm(dim=1, keepdim=True) for f in (train_f, test_f))
+    sim, idx = (b @ a.T).topk(20, dim=1)
+    assert (sim[:, 0] / 0.005 > 88.8).all()  # where float32's exp overflows
+    votes = torch.zeros(40, 5, dtype=torch.float64).scatter_add_(1, train_y[idx], (sim / 0.005).exp())
+    torch.testing.assert_close(got.double(), votes / votes.sum(1, keepdim=True), rtol=0, atol=1e-4)
+
+
+def test_probes_need_two_classes_and_finite_features_and_a_resume_takes_model_kw_in_any_order(cifar10_dir, tmp_path):
+    """T21: --eval linear linear ran the probe twice. "Data that cannot train a classifier": one training image of one
+    class (--train-subset 1) was probed (100% of nothing); a backbone of nan weights printed nan accuracies (a run:
+    then a traceback at metrics.jsonl). Each now one line. A resume's --model-kw in another order is the run's."""
+    assert tc.get_args(['--eval', 'linear', 'linear', 'knn']).eval == ['linear', 'knn']
+    common = ['--data', cifar10_dir, '--test-subset', 10, '--eval-only', *TINY, '--eval', 'knn']
+    with pytest.raises(utils.UserError, match='the training set holds images of 1 class: the k-NN and linear probes '
+                                              'need 2 or more'):
+        tc.main([str(a) for a in [*common, '--train-subset', 1]])
+    model = models.build_model('vit_ti16', 10, 32, models.parse_model_kw(TINY[3:7]), cifar=True)
+    with torch.no_grad():
+        model.blocks[0].mlp.fc1.weight.fill_(float('nan'))
+    torch.save(model.state_dict(), tmp_path / 'nan.pt')
+    with pytest.raises(utils.UserError, match="the backbone's features are not finite \\(inf/nan\\) at epoch 0"):
+        tc.main([str(a) for a in [*common, '--train-subset', 20, '--checkpoint', tmp_path / 'nan.pt']])
+    tiny_run('--data', cifar10_dir, '--train-subset', 20, '--test-subset', 10, '--batch-size', 10, '--epochs', 1,
+             '--warmup-epochs', 0, *TINY, '--eval', 'knn', '--stop-after-epoch', 1, '--out', tmp_path / 'run')
+    kw = TINY[3:7]
+    args = tc.get_args(['--resume', str(tmp_path / 'run' / 'last.pt'), '--epochs', '2', '--model-kw', *kw[::-1]])
+    assert args.model_kw == kw[::-1] and args.proj_dim == 64

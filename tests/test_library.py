@@ -21,7 +21,10 @@ LIBRARY = {'utils': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'fig
            'flags': {'runs', 'images', 'loader', 'data', 'models', 'figures'},
            'runs': {'images', 'loader', 'data', 'models', 'figures'},
            'images': {'runs', 'loader', 'data', 'models', 'figures'}, 'loader': {'runs', 'data', 'models', 'figures'},
-           'data': {'models', 'figures'}, 'models': {'figures'}, 'figures': {'images', 'loader', 'data', 'models'}}
+           'data': {'models', 'figures'}, 'models': {'figures'}, 'figures': {'images', 'loader', 'data', 'models'},
+           # robustness.py's corruption cache; train_contrastive.py's probes of frozen features (issue 43)
+           'corruptions': {'flags', 'images', 'loader', 'data', 'models', 'figures', 'probes'},
+           'probes': {'flags', 'runs', 'loader', 'data', 'models', 'figures', 'corruptions'}}
 # (module: the library modules it may NOT import: utils < flags, utils < runs < data < models, utils < images < loader < data,
 # runs < figures; no cycles)
 SCRIPTS = {'train_cifar': 420, 'train_imagenet': 480, 'train_contrastive': 575, 'geometry': 900, 'robustness': 710,
