@@ -1,18 +1,14 @@
 """hessian.py beside the curvature libraries people use, on one model, one batch of images and one start vector:
-`geometry.py hessian --compare pyhessian curvlinops eigenthings` (issue 46). Each library is imported here only, and
-only when named: PyHessian 0.1 (pip install pyhessian==0.1), curvlinops-for-pytorch 3.0.1 (pip install
-curvlinops-for-pytorch==3.0.1), hessian-eigenthings 1.0.0a5 (pip install hessian-eigenthings==1.0.0a5); a missing
-one is named in one line. What is measured for each (the reference: our Lanczos to a residual of 1e-10 |lambda|, a
-float64 basis over the fp32 products):
-- ours: products until the top-1 and the top-5 eigenvalues meet a residual <= reach |lambda| (Lanczos), their
-  largest relative error; lambda_min (which='SA'); tr H by XTrace and by Hutchinson at `probes` products;
-- curvlinops: its product beside ours (relative error: jvp of jacrev, wrong with LayerNorm, tests/test_curvature.py),
-  scipy's eigsh on its operator (products until top-1 / top-5 at tol = reach, their errors);
-- eigenthings: deflated power iteration (k = 5): products, each eigenvalue's flag `converged`, its true residual
-  ||H v - lambda v|| (our product) and its distance to the nearest reference eigenvalue;
-- pyhessian: trace() (probes it used of `probes`, its estimate), eigenvalues(top_n=5) (products, values);
-- per vector, seconds of `batch` vectors through one product call: ours single, ours batched, curvlinops' batched
-  (median of `reps`, CPU seconds of this process; wall after a synchronize on CUDA)."""
+`geometry.py hessian --compare [pyhessian curvlinops eigenthings]` (docs/geometry.md). Each library is imported here
+only, and only when named: PyHessian 0.1, curvlinops-for-pytorch 3.0.1, hessian-eigenthings 1.0.0a5 (PACKAGES; a
+missing one is named in one line). The reference: our Lanczos to a residual of 1e-10 |lambda| (float64 basis over
+the fp32 products). Measured (compare): ours, products until the top-1 / top-5 eigenvalues meet a residual <= reach
+|lambda|, lambda_min, tr H by XTrace and by Hutchinson; curvlinops, its product beside ours (its jvp of jacrev is
+wrong with LayerNorm: tests/test_curvature.py) and scipy's eigsh on its operator; hessian-eigenthings, its deflated
+power iteration (k = 5) with each eigenvalue's flag, true residual and distance to the reference; PyHessian, trace()
+(the probes it used) and eigenvalues(top_n=5); seconds per vector of single and batched products. Bare --compare:
+to_lambda_max, products and seconds to lambda_max against PyHessian's power iteration."""
+import math
 import statistics
 import sys
 import time
@@ -35,23 +31,8 @@ def require(name):  # the anchor's module, or one line naming what to install
         raise UserError(f'--compare {name} needs {PACKAGES[name]}: pip install {PACKAGES[name]}') from None
 
 
-def counted(matvec):  # (matvec that counts its products, the count so far as a one-item list)
-    count = [0]
-
-    def f(v):
-        count[0] += 1 if v.dim() == 1 else len(v)
-        return matvec(v)
-    return f, count
-
-
 def worst(got, want):  # the largest relative error of the eigenvalues `got` against the reference `want`
     return max(abs(g - w) / abs(w) for g, w in zip(got, want))
-
-
-def clock(cuda):  # CPU seconds of this process (wall after a synchronize on CUDA)
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() if cuda else time.process_time()
 
 
 def reference(matvec, v0):
@@ -63,9 +44,8 @@ def reference(matvec, v0):
 def ours(matvec, n, v0, ref, reach, probes, seed):
     row = {}
     for k in (1, 5):
-        f, count = counted(matvec)
-        r = hessian.lanczos(f, v0, k, 400, reach)
-        row[f'top{k}'] = dict(products=count[0], error=worst(r['eigenvalues'], ref['top'][:k]))
+        r = hessian.lanczos(matvec, v0, k, 400, reach)
+        row[f'top{k}'] = dict(products=r['products'], error=worst(r['eigenvalues'], ref['top'][:k]))
     row['lambda_min'] = hessian.lanczos(matvec, v0, 1, 400, reach, 'SA')['eigenvalues'][0]
     row['trace_xtrace'] = hessian.xtrace(matvec, n, probes, seed)
     row['trace_hutchinson'] = hessian.hutchinson(matvec, n, probes, seed)[:2]
@@ -130,14 +110,16 @@ def pyhessian_row(model, x, y, seed, probes, reach):
 
 
 def per_vector(products, reps, cuda):
-    """{name: median seconds per vector} of each (function, vectors it multiplies), timed in alternating order."""
+    """{name: median seconds per vector} of each (function, vectors it multiplies), timed in alternating order: CPU
+    seconds of this process (wall after a synchronize on CUDA)."""
+    clock = lambda: torch.cuda.synchronize() or time.perf_counter() if cuda else time.process_time()  # noqa: E731
     times = {k: [] for k in products}
     for r in range(reps):
         for k in list(products)[::1 if r % 2 else -1]:
             fn, count = products[k]
-            t0 = clock(cuda)
+            t0 = clock()
             fn()
-            times[k].append((clock(cuda) - t0) / count)
+            times[k].append((clock() - t0) / count)
     return {k: statistics.median(t) for k, t in times.items()}
 
 
@@ -187,3 +169,80 @@ def compare(model, x, y, names, seed=0, probes=100, reach=1e-4, batch=8, reps=5,
             + ', '.join(f'{e:.6g}' for e in p['top5']['eigenvalues']))
     say('  compare | seconds per vector: ' + ', '.join(f'{k} {s:.4f}' for k, s in out['seconds_per_vector'].items()))
     return out
+
+
+def to_lambda_max(model, x, y, seed, say, most=100, reach=1e-4, reps=15):
+    """`hessian --compare`: products and seconds until lambda_max is within `reach` (relative) of the reference
+    (Lanczos to a residual of 1e-10): Lanczos, power iteration, PyHessian 0.1's eigenvalues() (its power iteration),
+    on the same model, images (one batch: PyHessian's single-batch path keeps the gradient's graph, as our 'cached'
+    mode) and start vector (hessian.start_vector(seed) draws what PyHessian draws after torch.manual_seed(seed)).
+    Per product, fairly: after a warm-up, `reps` timings of each bare product, ours (the 'cached' matvec) and
+    PyHessian's (hessian_vector_product on its own graph of the same images), interleaved in alternating order; the
+    median CPU seconds of this process (process_time: what another job on a shared machine cannot inflate much;
+    with one torch thread, the work itself), the best, the median wall seconds, and the median ratio of neighbouring
+    timings (ours / PyHessian's: what drifts in the load cancels). On CUDA all are wall, after a synchronize."""
+    PyHessian = require('pyhessian').hessian
+    hessian_vector_product = sys.modules['pyhessian.utils'].hessian_vector_product
+    params, rows, cuda = [p for p in model.parameters() if p.requires_grad], {}, x.is_cuda
+
+    def clock():  # (CPU seconds, wall seconds) now
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        wall = time.perf_counter()
+        return wall if cuda else time.process_time(), wall
+
+    since = lambda t0, t1: (t1[0] - t0[0], t1[1] - t0[1])  # noqa: E731 (CPU, wall) seconds between two clocks
+    with sdpa_kernel(SDPBackend.MATH):  # (the model in eval mode: measure())
+        t0 = clock()
+        matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
+        build, v0 = since(t0, clock()), hessian.start_vector(params, seed)
+        ref = hessian.lanczos(matvec, v0, 1, 300, 1e-10)['eigenvalues'][0]  # (also our warm-up)
+        for name, run in (('Lanczos', lambda log: hessian.lanczos(matvec, v0, 1, most, reach, progress=log)['history']),
+                          ('power iteration', lambda log: hessian.power_iteration(  # (runs on past the reach)
+                              matvec, v0, most, reach / 100, progress=log)[2])):
+            stamps, t0 = [], clock()
+            history = run(lambda msg: stamps.append(since(t0, clock())))
+            k = next((i for i, e in enumerate(history) if abs(e - ref) <= reach * abs(ref)), None)
+            rows[name] = dict(hvps=None if k is None else k + 1, seconds=None if k is None else build[1] + stamps[k][1],
+                              cpu_seconds=None if k is None else build[0] + stamps[k][0],
+                              s_per_step=stamps[-1][0] / len(stamps), lambda_max=history[-1 if k is None else k])
+        steps = rows['power iteration']['hvps'] or most  # the same iteration from the same start: as many products
+        with sdpa_kernel(SDPBackend.MATH):  # (the fused attention has no double backward)
+            t0 = clock()
+            ph = PyHessian(model, F.cross_entropy, data=(x, y), cuda=cuda)
+            t1 = clock()
+            v = [t.view_as(p).to(p.dtype) for t, p in zip(v0.split([p.numel() for p in params]), params)]
+            hessian_vector_product(ph.gradsH, ph.params, v)  # its warm-up, outside its times
+            torch.manual_seed(seed)  # its start vector: randn per parameter
+            t2 = clock()
+            lam = ph.eigenvalues(maxIter=steps, tol=0.0)[0][0]  # tol 0: exactly `steps` products
+            run = since(t2, clock())
+        reached, first = abs(lam - ref) <= reach * abs(ref), since(t0, t1)
+        rows['PyHessian 0.1'] = dict(hvps=steps if reached else None, seconds=first[1] + run[1] if reached else None,
+                                     cpu_seconds=first[0] + run[0] if reached else None, s_per_step=run[0] / steps,
+                                     lambda_max=lam, ran=steps)  # (not within reach: after `steps` products)
+        products = dict(ours=lambda: matvec(v0))
+        products['PyHessian 0.1'] = lambda: hessian_vector_product(ph.gradsH, ph.params, v)
+        times = {k: [] for k in products}
+        for r in range(reps):
+            for k in list(products)[::1 if r % 2 else -1]:  # alternating order: neither always first
+                t0 = clock()
+                products[k]()
+                times[k].append(since(t0, clock()))
+        for p in params:  # PyHessian leaves the create_graph gradient (and its graph) in .grad
+            p.grad = None
+    per = {k: [statistics.median([t[i] for t in ts]) for i in (0, 1)] + [min(t[0] for t in ts)]
+           for k, ts in times.items()}
+    for name, r in rows.items():
+        r['s_per_hvp'], r['wall_per_hvp'], r['best_s_per_hvp'] = per['PyHessian 0.1' if name == 'PyHessian 0.1'
+                                                                     else 'ours']
+        hvps = r['hvps'] or f"> {r.get('ran', most)}"  # (PyHessian: the products of our power iteration)
+        say(f"  compare | {name:16s} | {hvps} HVPs | {r['seconds'] or math.nan:.2f} s "
+            f"({r['cpu_seconds'] or math.nan:.2f} s CPU) to lambda_max within {reach:g} | per step "
+            f"{r['s_per_step']:.3f} s CPU | per HVP {r['s_per_hvp']:.3f} s CPU, {r['wall_per_hvp']:.3f} s wall "
+            f"(median of {reps}; best {r['best_s_per_hvp']:.3f}) | lambda {r['lambda_max']:.8g} (reference {ref:.8g})")
+    ratio = statistics.median([a[0] / b[0] for a, b in zip(times['ours'], times['PyHessian 0.1'])])  # paired
+    say(f'  compare | per HVP, ours / PyHessian (CPU seconds of neighbouring timings): median ratio {ratio:.3f}')
+    return dict(reference=ref, reach=reach, rows=rows, images=len(x), reps=reps, threads=torch.get_num_threads(),
+                ours_over_pyhessian=ratio,
+                clock='wall (CUDA)' if cuda else 'process_time: CPU seconds of every thread of this process')

@@ -11,7 +11,6 @@ import itertools
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -26,10 +25,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchvision.datasets.folder import find_classes
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
+import anchors
 import convmixer
 import data
 import figures
-import anchors
 import hessian
 import mixer
 import vit
@@ -613,7 +612,7 @@ def measure_hessian(args, proc, model, loads, n, size, log):
     if args.compare is not None:  # (bare: PyHessian's power iteration and per-product time; named: anchors.py)
         xy = [t.to(proc.device) for t in loads[0]]
         out['compare'] = (anchors.compare(model, *xy, args.compare, args.seed, max(args.trace, 100), say=proc.log)
-                          if args.compare else compare_hessian(model, *xy, args.seed, proc.log, args.iters))
+                          if args.compare else anchors.to_lambda_max(model, *xy, args.seed, proc.log, args.iters))
     stopped = sorted({name for r in reps for name, b in [('all', r), *r.get('blocks', {}).items()]
                       if not b['converged']})
     return dict(out, top_k=args.top_k, iters=args.iters, tol=args.tol, note=f'{args.curvature}: eigenvalues: the '
@@ -621,86 +620,6 @@ def measure_hessian(args, proc, model, loads, n, size, log):
                 f'--bottom-k smallest; trace: {args.trace_estimator}, trace_se its standard error; density: SLQ nodes '
                 'and weights; repeats: disjoint image subsets'
                 + f'; NOT converged ({", ".join(stopped)}): --iters came before --tol' * bool(stopped))
-
-
-def compare_hessian(model, x, y, seed, say, most=100, reach=1e-4, reps=15):
-    """`hessian --compare`: products and seconds until lambda_max is within `reach` (relative) of the reference
-    (Lanczos to a residual of 1e-10): Lanczos, power iteration, PyHessian 0.1's eigenvalues() (its power iteration),
-    on the same model, images (one batch: PyHessian's single-batch path keeps the gradient's graph, as our 'cached'
-    mode) and start vector (hessian.start_vector(seed) draws what PyHessian draws after torch.manual_seed(seed)).
-    Per product, fairly: after a warm-up, `reps` timings of each bare product, ours (the 'cached' matvec) and
-    PyHessian's (hessian_vector_product on its own graph of the same images), interleaved in alternating order; the
-    median CPU seconds of this process (process_time: what another job on a shared machine cannot inflate much;
-    with one torch thread, the work itself), the best, the median wall seconds, and the median ratio of neighbouring
-    timings (ours / PyHessian's: what drifts in the load cancels). On CUDA all are wall, after a synchronize."""
-    try:
-        from pyhessian import hessian as PyHessian  # the oracle of requirements-test.txt, imported only here
-        from pyhessian.utils import hessian_vector_product
-    except ImportError:
-        raise UserError('--compare needs PyHessian 0.1: pip install pyhessian==0.1 (requirements-test.txt)')
-    params, rows, cuda = [p for p in model.parameters() if p.requires_grad], {}, x.is_cuda
-
-    def clock():  # (CPU seconds, wall seconds) now
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        wall = time.perf_counter()
-        return wall if cuda else time.process_time(), wall
-
-    since = lambda t0, t1: (t1[0] - t0[0], t1[1] - t0[1])  # noqa: E731 (CPU, wall) seconds between two clocks
-    with evaluating(model):
-        t0 = clock()
-        matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
-        build, v0 = since(t0, clock()), hessian.start_vector(params, seed)
-        ref = hessian.lanczos(matvec, v0, 1, 300, 1e-10)['eigenvalues'][0]  # (also our warm-up)
-        for name, run in (('Lanczos', lambda log: hessian.lanczos(matvec, v0, 1, most, reach, progress=log)['history']),
-                          ('power iteration', lambda log: hessian.power_iteration(  # (runs on past the reach)
-                              matvec, v0, most, reach / 100, progress=log)[2])):
-            stamps, t0 = [], clock()
-            history = run(lambda msg: stamps.append(since(t0, clock())))
-            k = next((i for i, e in enumerate(history) if abs(e - ref) <= reach * abs(ref)), None)
-            rows[name] = dict(hvps=None if k is None else k + 1, seconds=None if k is None else build[1] + stamps[k][1],
-                              cpu_seconds=None if k is None else build[0] + stamps[k][0],
-                              s_per_step=stamps[-1][0] / len(stamps), lambda_max=history[-1 if k is None else k])
-        steps = rows['power iteration']['hvps'] or most  # the same iteration from the same start: as many products
-        with sdpa_kernel(SDPBackend.MATH):  # (the fused attention has no double backward)
-            t0 = clock()
-            ph = PyHessian(model, F.cross_entropy, data=(x, y), cuda=cuda)
-            t1 = clock()
-            v = [t.view_as(p).to(p.dtype) for t, p in zip(v0.split([p.numel() for p in params]), params)]
-            hessian_vector_product(ph.gradsH, ph.params, v)  # its warm-up, outside its times
-            torch.manual_seed(seed)  # its start vector: randn per parameter
-            t2 = clock()
-            lam = ph.eigenvalues(maxIter=steps, tol=0.0)[0][0]  # tol 0: exactly `steps` products
-            run = since(t2, clock())
-        reached, first = abs(lam - ref) <= reach * abs(ref), since(t0, t1)
-        rows['PyHessian 0.1'] = dict(hvps=steps if reached else None, seconds=first[1] + run[1] if reached else None,
-                                     cpu_seconds=first[0] + run[0] if reached else None, s_per_step=run[0] / steps,
-                                     lambda_max=lam, ran=steps)  # (not within reach: after `steps` products)
-        products = dict(ours=lambda: matvec(v0))
-        products['PyHessian 0.1'] = lambda: hessian_vector_product(ph.gradsH, ph.params, v)
-        times = {k: [] for k in products}
-        for r in range(reps):
-            for k in list(products)[::1 if r % 2 else -1]:  # alternating order: neither always first
-                t0 = clock()
-                products[k]()
-                times[k].append(since(t0, clock()))
-        for p in params:  # PyHessian leaves the create_graph gradient (and its graph) in .grad
-            p.grad = None
-    per = {k: [statistics.median([t[i] for t in ts]) for i in (0, 1)] + [min(t[0] for t in ts)]
-           for k, ts in times.items()}
-    for name, r in rows.items():
-        r['s_per_hvp'], r['wall_per_hvp'], r['best_s_per_hvp'] = per['PyHessian 0.1' if name == 'PyHessian 0.1'
-                                                                     else 'ours']
-        hvps = r['hvps'] or f"> {r.get('ran', most)}"  # (PyHessian: the products of our power iteration)
-        say(f"  compare | {name:16s} | {hvps} HVPs | {r['seconds'] or math.nan:.2f} s "
-            f"({r['cpu_seconds'] or math.nan:.2f} s CPU) to lambda_max within {reach:g} | per step "
-            f"{r['s_per_step']:.3f} s CPU | per HVP {r['s_per_hvp']:.3f} s CPU, {r['wall_per_hvp']:.3f} s wall "
-            f"(median of {reps}; best {r['best_s_per_hvp']:.3f}) | lambda {r['lambda_max']:.8g} (reference {ref:.8g})")
-    ratio = statistics.median([a[0] / b[0] for a, b in zip(times['ours'], times['PyHessian 0.1'])])  # paired
-    say(f'  compare | per HVP, ours / PyHessian (CPU seconds of neighbouring timings): median ratio {ratio:.3f}')
-    return dict(reference=ref, reach=reach, rows=rows, images=len(x), reps=reps, threads=torch.get_num_threads(),
-                ours_over_pyhessian=ratio,
-                clock='wall (CUDA)' if cuda else 'process_time: CPU seconds of every thread of this process')
 
 
 def measure(args, proc, model, info, path, drawn):
