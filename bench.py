@@ -43,7 +43,8 @@ from data import MEAN, STD
 from flags import refuse_loose
 from models import channels_last
 from runs import save_atomic
-from sam import GSAM, SAM, first_pass, second_pass
+from gsam import GSAM
+from sam import SAM, first_pass, second_pass
 from utils import UserError
 
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
@@ -167,7 +168,9 @@ def make_step(name, side, px, batch, amp, channels_last, device, compile=False, 
                 loss.backward()
                 if j < len(groups) - 1:
                     opt.next_group()  # w <- w_old; the sum of g_sam set aside
-            opt.second_step(zero_grad=True)  # w <- w_old, then AdamW with the mean g_sam (GSAM: g_p - alpha g_perp)
+            if sam == 'gsam':
+                opt.gsam_gradient()  # .grad <- g_p - alpha g_perp (gsam.py: before the step, which refuses without it)
+            opt.second_step(zero_grad=True)  # w <- w_old, then AdamW with the mean g_sam (GSAM: d)
         else:
             opt.zero_grad(set_to_none=True)
             with autocast:

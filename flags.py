@@ -25,9 +25,10 @@ def given(parser, argv, *dests):
     return [f'--{d.replace("_", "-")}' for d in dests if getattr(ns, d) is not marker]
 
 
-def check_ranges(args, positive, non_negative, at_most, stored_in=None):
+def check_ranges(args, positive, non_negative, at_most, stored_in=None, stored=()):
     """Every flag named is a finite number, > 0 (positive) or >= 0, and at most at_most[flag] or SHARED_AT_MOST[flag]
-    where given. stored_in: the checkpoint whose stored args filled some flags (a non-number can only come from it)."""
+    where given. stored_in: the checkpoint whose stored args filled some flags (a non-number can only come from it);
+    stored: flags known to come from it, not from this command line (a range error then names the file too)."""
     at_most = {**SHARED_AT_MOST, **at_most}
     for key in positive + non_negative:
         v, most = getattr(args, key), at_most.get(key, math.inf)
@@ -36,7 +37,8 @@ def check_ranges(args, positive, non_negative, at_most, stored_in=None):
                 f' (from the args stored in {stored_in}: a damaged or hand-edited file)' if stored_in else ''))
         if not (math.isfinite(v) and (v > 0 if key in positive else v >= 0) and v <= most):
             raise UserError(f'--{key.replace("_", "-")} must be a finite number {"> 0" if key in positive else ">= 0"}'
-                            + (f' and <= {most}' if key in at_most else '') + f', got {v}')
+                            + (f' and <= {most}' if key in at_most else '') + f', got {v}'
+                            + (f' (from the args stored in {stored_in})' if key in stored else ''))
 
 
 def check_shared_ranges(args, *keys):

@@ -30,7 +30,8 @@ from flags import check_lr_not_all_zero, check_ranges, given
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw, zero_head
 from pgd import pgd
 from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
-from sam import GSAM, SAM, first_pass, second_pass
+from gsam import GSAM
+from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, rank_zero_first,
                    setup, since_checkpoint, sync_buffers, wrap_ddp)
 
@@ -75,7 +76,7 @@ def get_args(argv=None):
     g.add_argument('--adaptive', action='store_true', help='ASAM (Kwon et al. 2021): eps-hat scaled by |w|')
     g.add_argument('--sam-m', type=int, default=0, metavar='M', help='m-sharpness (Foret et al. Sec. 4.1): one eps-hat '
                    "per group of M images of a process's batch; 0: the whole of it, as the JAX code per device")
-    g.add_argument('--gsam-alpha', type=float, metavar='A', help='GSAM (Zhuang et al. 2022, sam.GSAM): update '
+    g.add_argument('--gsam-alpha', type=float, metavar='A', help='GSAM (Zhuang et al. 2022, gsam.GSAM): update '
                    'g_p - A g_perp; unset (and no --rho-min): plain SAM; 0 with --rho-min = --rho: SAM bit for bit')
     g.add_argument('--rho-min', type=float, metavar='R', help='GSAM: rho follows the LR schedule from R (at its end, '
                    'LR 0) to --rho (at its peak); unset: --rho, constant')
@@ -129,8 +130,9 @@ def get_args(argv=None):
                  ['sam_m', 'train_subset', 'test_subset', 'log_every', 'randaug_n', 'randaug_m', 'seed', 'lr', 'wd',
                   'rho', 'clip_grad', 'jitter', 'label_smoothing', 'reprob', 'adv_eps', 'adv_alpha'],
                  {}, stored_in=run if written_by(ckpt) else None)  # (the shared bounds: flags.SHARED_AT_MOST)
-    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if getattr(args, k) is not None],
-                 dict(rho_min=args.rho))  # (unset: plain SAM; rho_min <= rho: rho_t never exceeds --rho)
+    gsam = [k for k in ('gsam_alpha', 'rho_min') if getattr(args, k) is not None]  # (unset: plain SAM)
+    check_ranges(args, [], gsam, dict(rho_min=args.rho), stored_in=run, stored=[  # rho_min <= rho: rho_t <= --rho
+        k for k in gsam if written_by(ckpt) and f'--{k.replace("_", "-")}' not in given(p, argv, *gsam)])  # (R03)
     if args.eval_only != bool(args.checkpoint) or (args.eval_only and args.resume):
         raise UserError('--eval-only evaluates --checkpoint PATH (not --resume); --checkpoint is for --eval-only')
     if args.pretrained and (args.resume or args.eval_only):
@@ -190,7 +192,7 @@ def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
     SAM (Foret et al. Alg. 1, sam.py) with m-sharpness (Sec. 4.1): each group of m images gets its own eps-hat from
     its own first pass (no all-reduce: DDP's no_sync); the SAM gradients of the groups are averaged, all-reduced
     once; BatchNorm statistics come from the first passes. m = the whole batch (the default) is one group.
-    GSAM (sam.GSAM): each group's (each replica's) g_p is decomposed against its own g, so the second passes run
+    GSAM (gsam.GSAM): each group's (each replica's) g_p is decomposed against its own g, so the second passes run
     under no_sync too and gsam_gradient() averages the result over the replicas in one all-reduce (big_vision's
     pmean after gsam_gradient)."""
     groups = list(zip(x.split(m), y.split(m))) if args.sam else [(x, y)]
@@ -225,13 +227,16 @@ def train_step(model, fwd, opt, scaler, criterion, x, y, m, args, autocast):
     return loss, torch.cat(outs), torch.stack(losses_p).sum() - loss if args.sam else None
 
 
-def make_optimizer(args, model):
+def make_optimizer(args, model, steps):
     """locuslab: AdamW; finetune: SGD with momentum 0.9 (vit_jax); SAM-wrapped with --sam. Decay on every parameter,
-    as locuslab's AdamW."""
+    as locuslab's AdamW. GSAM's rho_t goes from --rho-min at the schedule's lowest LR (its end, 0) to --rho at its
+    highest, over the LRs the loop sets: --lr, except at --epochs 1 or 2, where locuslab's cycle peaks lower (C26)."""
     base, kw = (torch.optim.SGD, dict(momentum=0.9)) if args.recipe == 'finetune' else (torch.optim.AdamW, {})
     kw.update(lr=args.lr, weight_decay=args.wd)
-    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # rho_t from the schedule's range:
-        lr_range = dict(lr_max=args.lr, lr_min=lr_at(args.epochs, args.epochs, args.lr, args.recipe))  # peak, end
+    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):
+        lrs = [lr_at(e + (i + 1) / steps, args.epochs, args.lr, args.recipe) for e in range(args.epochs)
+               for i in range(steps)]  # (as the loop computes them)
+        lr_range = dict(lr_max=max(lrs), lr_min=min(lrs))
         return GSAM(model.parameters(), base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0,
                     adaptive=args.adaptive, **lr_range, **kw)
     return SAM(model.parameters(), base, rho=args.rho, adaptive=args.adaptive, **kw) if args.sam else \
@@ -308,7 +313,7 @@ def main(argv=None):
         return leave(proc.ddp)
     steps = len(train_y) // args.batch_size  # the last partial batch is dropped (module docstring)
     augment = make_augment(**{k: getattr(args, k) for k in AUG_FLAGS}, mean=norm[0], std=norm[1], device=device)
-    opt, scaler = make_optimizer(args, raw), torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')  # (bf16)
+    opt, scaler = make_optimizer(args, raw, steps), torch.amp.GradScaler(device.type, enabled=proc.amp == 'fp16')
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     model = wrap_ddp(raw, proc)
     fwd = torch.compile(model) if args.compile else model
@@ -323,7 +328,8 @@ def main(argv=None):
         f'x {steps} steps of {args.batch_size} ({world} x {batch})'
         f' | {type(getattr(opt, "base_optimizer", opt)).__name__} lr {args.lr} wd {args.wd}'
         f'{f" | SAM rho {args.rho} m {m}" * args.sam}'
-        f'{f" | GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho_min}" * isinstance(opt, GSAM)}'
+        + (f' | GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho if args.rho_min is None else args.rho_min} at LR '
+           f'{opt.lr_min:g} .. rho {args.rho} at LR {opt.lr_max:g}' if isinstance(opt, GSAM) else '') +
         f'{f" | PGD-{args.adv_steps} eps {args.adv_eps:g}/255" * bool(args.adv)}'
         f' | aug {args.aug} | amp {proc.amp} | {device}')
     last, epoch, saved = out_dir / 'last.pt', start_epoch, (args.resume, start_epoch)  # saved: the last good one

@@ -34,7 +34,8 @@ from loader import collate_bytes, node_workers, on_device, train_transform
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
 from runs import (MACHINE_FLAGS, discard_new_dirs, load_optimizer_state, machine_line, prepare_out, read_checkpoint,
                   save_atomic, written_by)
-from sam import GSAM, SAM, first_pass, second_pass
+from gsam import GSAM
+from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, micro_batch_cap,
                    one_line, score, setup, since_checkpoint, sync_buffers, wrap_ddp)
 
@@ -124,7 +125,7 @@ def get_args(argv=None):
     a('--adaptive', 'ASAM (Kwon et al. 2021)', action=argparse.BooleanOptionalAction)
     a('--sam-m', 'm-sharpness (Foret et al. Sec. 4.1): images per eps-hat, a divisor of the micro-batch; 0: the '
       "process's whole batch, as the JAX code per device (the paper: 4096 images on 64 TPU chips, m = 64)", type=int)
-    a('--gsam-alpha', 'GSAM (Zhuang et al. 2022; sam.GSAM): step along g_p - A g_perp; unset: SAM', type=float)
+    a('--gsam-alpha', 'GSAM (Zhuang et al. 2022; gsam.GSAM): step along g_p - A g_perp; unset: SAM', type=float)
     a('--rho-min', 'GSAM: rho goes with the LR from this (LR 0) to --rho (the peak LR); unset: --rho', type=float)
     a('--amp', 'autocast: auto = bf16 where the GPU has it, else off; fp16 adds a GradScaler',
       choices=['auto', 'bf16', 'fp16', 'off'])
@@ -165,7 +166,8 @@ def get_args(argv=None):
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     args.workers = node_workers() if args.workers is None else args.workers  # (of this node: loader.node_workers)
     check_ranges(args, POSITIVE, NON_NEGATIVE, {}, stored_in=source if author else None)  # (bounds: utils)
-    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho})
+    check_ranges(args, [], [k for k in ('gsam_alpha', 'rho_min') if vars(args)[k] is not None], {'rho_min': args.rho},
+                 stored_in=source, stored=[k for k in run if f'--{k.replace("_", "-")}' not in loose])  # (R03/J13)
     if loose and not args.sam:
         raise UserError(f'{", ".join(loose)} only act with --sam: add --sam, or leave them out')
     if not (args.data or args.synthetic) or (args.synthetic and args.eval_only):  # (FakeData: made-up labels)
@@ -208,7 +210,7 @@ def train_step(model, optimizer, scaler, micro, *, sam, clip_grad, label_smoothi
     eps-hat, as the official JAX code), perturbs once, and the second pass accumulates g_SAM, which is clipped.
     sam_m below the process's batch: m-sharpness in groups of sam_m images (each dividing a micro-batch), each
     group its own eps-hat from its own first pass; the groups' g_SAM averaged, all-reduced once (sam.py).
-    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (sam.GSAM). window: a (2,)
+    GSAM: each replica (group) decomposes its own g_p, so no all-reduce until gsam_gradient (gsam.GSAM). window: a (2,)
     tensor on the device, += (the loss, the surrogate gap f_p - f of SAM/GSAM), read only at the log row."""
     gsam, loss_p = isinstance(optimizer, GSAM), 0.0
     groups = [(xg, yg) for x, y in micro for xg, yg in zip(x.split(sam_m), y.split(sam_m))] if sam and sam_m else []
@@ -328,12 +330,20 @@ def make_optimizer(args, model, steps):
         groups[p.ndim < 2 or name in ('pos_embed', 'cls_token')]['params'].append(p)
     base, base_kw = (torch.optim.AdamW, dict(betas=(0.9, 0.999), eps=args.opt_eps)) if args.opt == 'adamw' else \
         (torch.optim.SGD, dict(momentum=0.9))
-    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # GSAM; rho_t: peak LR .. end LR
-        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=args.lr,
-                    lr_min=lr_at(args.epochs * steps, args.lr, args.sched, args.warmup_steps, args.epochs, steps),
-                    adaptive=args.adaptive, lr=args.lr, **base_kw)
+    if args.sam and (args.gsam_alpha is not None or args.rho_min is not None):  # GSAM; rho_t: lowest .. highest LR
+        lr = lambda s: lr_at(s, args.lr, args.sched, args.warmup_steps, args.epochs, steps)  # noqa: E731
+        top, s = lr(0), 1  # highest: where the rise ends (--lr unless inside the warm-up); lowest: the end or step 0
+        while s < args.epochs * steps and (nxt := lr(s)) >= top:
+            top, s = nxt, s + 1
+        return GSAM(groups, base, rho=args.rho, rho_min=args.rho_min, alpha=args.gsam_alpha or 0.0, lr_max=top,
+                    lr_min=min(lr(0), lr(args.epochs * steps)), adaptive=args.adaptive, lr=args.lr, **base_kw)
     return (SAM(groups, base, rho=args.rho, adaptive=args.adaptive, lr=args.lr, **base_kw) if args.sam
             else base(groups, lr=args.lr, **base_kw))
+
+
+def gsam_header(args, optimizer):  # GSAM's settings, and the LR range rho_t follows (rho_min unset: --rho)
+    return (f', GSAM alpha {args.gsam_alpha or 0} rho_min {args.rho if args.rho_min is None else args.rho_min} at LR '
+            f'{optimizer.lr_min:g} .. rho {args.rho} at LR {optimizer.lr_max:g}') if isinstance(optimizer, GSAM) else ''
 
 
 def resume(args, model, optimizer, scaler, steps, log):
@@ -404,7 +414,7 @@ def main(argv=None):
     last, saved = os.path.join(args.out, 'last.pt'), (args.resume, step) if args.resume else (None, 0)
     info = dict(vars(args), world_size=world, micro_batch=per_step // k, steps_per_epoch=steps, total_steps=total)
     log(f'global batch {args.batch_size} = {world} x {k} x {per_step // k}, peak lr {args.lr:.3g}, {steps} '
-        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}, out {args.out}')
+        f'steps/epoch, SAM {f"rho {args.rho}" if args.sam else "off"}{gsam_header(args, optimizer)}, out {args.out}')
     # --- loop: an epoch (or the rest of a resumed one); at its end evaluate and checkpoint -------------------
     first_bad = torch.full((), NO_STEP, device=device)  # the first step with a non-finite loss, kept on the device
     evals, t_loop, step0 = [r for r in history if r['kind'] == 'eval'], time.time(), step

@@ -1,4 +1,4 @@
-"""GSAM (sam.GSAM) against an fp64 transcription of big_vision's gsam_gradient (the official JAX code,
+"""GSAM (gsam.GSAM) against an fp64 transcription of big_vision's gsam_gradient (the official JAX code,
 big_vision/trainers/proj/gsam/gsam.py, written out here from that file with torch.autograd for jax), against
 plain SAM (alpha = 0, rho_min = rho: bit for bit), the base optimizer (rho = 0: bit for bit), a single process with k
 groups (k gloo ranks), GradScaler overflows, a resume, and through train_cifar.py's flags."""
@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sam import GSAM, SAM, first_pass, second_pass
+from gsam import GSAM
+from sam import SAM, first_pass, second_pass
 
 F64 = torch.float64
 
@@ -37,7 +38,7 @@ def _params(model):
 
 
 def _gsam_step(model, opt, groups, micro=1, scaler=None, clip=None, all_reduce=False, plant=None, autocast=None):
-    """One GSAM step as the sam.GSAM docstring's loop: k = len(groups) groups of `micro` micro-batches; every
+    """One GSAM step as the gsam.py docstring's loop: k = len(groups) groups of `micro` micro-batches; every
     backward under DDP's no_sync; plant=(pass, j): an inf in group j's first or second gradient; autocast: a
     context for the forward passes (not the backward, as torch.autocast asks)."""
     k, ctx = len(groups), autocast or contextlib.nullcontext
@@ -108,6 +109,11 @@ def _gsam_gradient(loss_fn, params, inputs, targets, rho_max, rho_min, alpha, lr
     return l_clean, g_gsam
 
 
+def _mlp_loss(ps, x, y):  # _mlp's forward (LayerNorm), written out
+    h = F.layer_norm(F.linear(x, ps['0.weight'], ps['0.bias']), (16,), ps['1.weight'], ps['1.bias'])
+    return F.cross_entropy(F.linear(F.gelu(h), ps['3.weight'], ps['3.bias']), y)
+
+
 CFG = dict(rho_max=0.3, rho_min=0.1, alpha=0.4, lr_max=0.5, lr_min=0.05)
 LRS = [0.5, 0.35, 0.2, 0.05]  # the lr of each step, along a decay from lr_max to lr_min
 
@@ -117,13 +123,9 @@ def _oracle_run(k, adaptive_perturbation, minimize_fp, clip=None):
     (after the pmean, as optax's clip_by_global_norm; with torch's 1e-6), then plain SGD w - lr d."""
     model = _mlp(0).to(F64)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    def loss_fn(ps, x, y):  # _mlp's forward, written out
-        h = F.layer_norm(F.linear(x, ps['0.weight'], ps['0.bias']), (16,), ps['1.weight'], ps['1.bias'])
-        return F.cross_entropy(F.linear(F.gelu(h), ps['3.weight'], ps['3.bias']), y)
     for step, lr in enumerate(LRS):
         x, y = _data(step, 4 * k, F64)
-        ds = [_gsam_gradient(loss_fn, params, xg, yg, lr=lr, adaptive_perturbation=adaptive_perturbation,
+        ds = [_gsam_gradient(_mlp_loss, params, xg, yg, lr=lr, adaptive_perturbation=adaptive_perturbation,
                              minimize_fp=minimize_fp, **CFG)[1] for xg, yg in zip(x.split(4), y.split(4))]
         d = {n: sum(dj[n] for dj in ds) / k for n in params}
         if clip is not None:
@@ -242,7 +244,7 @@ def test_rho_zero_trains_as_the_base_optimizer(base, kw, minimize_fp):
 # -----------------------------------------------------------------------------
 # DDP: 2 gloo ranks, each its own g_p decomposed, then the mean: = one process with the ranks' images as groups
 G_STEPS, G_M = 3, 4
-G_CONFIGS = [('bn', 1), ('mlp', 2)]  # (model, groups per rank)
+G_CONFIGS = [('bn', 1), ('mlp', 2), ('closure', 1)]  # (model, groups per rank); closure: BatchNorm, step(closure)
 G_KW = dict(rho=0.3, rho_min=0.1, alpha=0.4, lr_max=0.2, lr_min=0.0, lr=0.2, momentum=0.9)
 
 
@@ -263,7 +265,7 @@ def _ddp_worker(rank, world, port, out):
         res = []
         for name, g in G_CONFIGS:
             calls.clear()
-            model = _mlp(0, bn=name == 'bn').to(F64)
+            model = _mlp(0, bn=name != 'mlp').to(F64)
             ddp = nn.parallel.DistributedDataParallel(model)
             hooked = []
             ddp.register_comm_hook(None, lambda state, bucket: hooked.append(1) or
@@ -275,7 +277,16 @@ def _ddp_worker(rank, world, port, out):
                     group['lr'] = _g_lr(step)
                 x, y = _data(50 + step, world * per, F64)
                 xr, yr = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-                _gsam_step(ddp, opt, list(zip(xr.split(G_M), yr.split(G_M))), all_reduce=True)
+                if name == 'closure':  # both passes under no_sync, then gsam_gradient's all-reduce (issue 45)
+                    def closure():
+                        opt.zero_grad()
+                        loss = F.cross_entropy(ddp(xr), yr)
+                        loss.backward()
+                        return loss
+                    opt.step(closure, model=ddp)
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    _gsam_step(ddp, opt, list(zip(xr.split(G_M), yr.split(G_M))), all_reduce=True)
             res.append({'final': _params(model), 'allreduces': len(calls), 'ddp_buckets': len(hooked)})
         dist.all_reduce = real
         torch.save(res, os.path.join(out, f'rank{rank}.pt'))
@@ -292,12 +303,13 @@ def _free_port():
 
 def test_ddp_ranks_equal_one_process_with_groups(tmp_path):
     """2 ranks x g groups == 1 process x 2g groups (fp64; BatchNorm with g = 1): each rank decomposes its own
-    g_p, the mean (not the sum) over ranks follows, in ONE all-reduce per step and none by DDP's buckets."""
+    g_p, the mean (not the sum) over ranks follows, in ONE all-reduce per step and none by DDP's buckets; the same
+    through step(closure, model=ddp)."""
     world = 2
     mp.spawn(_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
     res = [torch.load(tmp_path / f'rank{r}.pt') for r in range(world)]
     for i, (name, g) in enumerate(G_CONFIGS):
-        model = _mlp(0, bn=name == 'bn').to(F64)
+        model = _mlp(0, bn=name != 'mlp').to(F64)
         opt = GSAM(model.parameters(), torch.optim.SGD, **G_KW)
         for step in range(G_STEPS):
             for group in opt.param_groups:
@@ -381,9 +393,11 @@ def test_state_dict_resume_mid_run_is_bit_identical():
 
 
 def test_closure_form_equals_the_loop():
+    """step(closure, model=...) is the written-out loop bit for bit, BatchNorm's running statistics included (issue
+    45: the second pass ran outside second_pass, so the statistics were updated at w + eps too)."""
     runs = []
     for closure in (False, True):
-        model = _mlp(0)
+        model = _mlp(0, bn=True)
         opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.3, alpha=0.4, lr=0.1, momentum=0.9)
         for step in range(3):
             x, y = _data(step, 8)
@@ -393,12 +407,13 @@ def test_closure_form_equals_the_loop():
                     loss = F.cross_entropy(model(x), y)
                     loss.backward()
                     return loss
-                opt.step(f)
+                opt.step(f, model=model)
                 opt.zero_grad(set_to_none=True)
             else:
                 _gsam_step(model, opt, [(x, y)])
-        runs.append(_params(model))
+        runs.append([*_params(model), *model.buffers()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert int(model[1].num_batches_tracked) == 3  # one clean forward a step
 
 
 # -----------------------------------------------------------------------------
@@ -423,15 +438,22 @@ def _cifar(cifar10_dir, out, *extra):
     return torch.load(out / 'last.pt', weights_only=True)['model'], [r for r in rows if r['kind'] == 'train']
 
 
-def test_cifar_flags_sam_and_base_identities_and_the_gap(cifar10_dir, tmp_path, one_thread):
+def test_cifar_flags_sam_and_base_identities_and_the_gap(cifar10_dir, tmp_path, one_thread, capsys):
     """train_cifar.py: --gsam-alpha 0 --rho-min = --rho is --sam bit for bit; --rho 0 (SAM, GSAM) is the base
-    optimizer bit for bit; GSAM proper trains elsewhere; SAM/GSAM rows hold the surrogate gap, > 0 at rho > 0."""
+    optimizer bit for bit; GSAM proper trains elsewhere; SAM/GSAM rows hold the surrogate gap, > 0 at rho > 0. The
+    header names rho_min (--rho when unset, not None) and the LR range rho_t follows."""
     w, rows = {}, {}
     for name, extra in (('sam', ['--sam', '--rho', 0.5]), ('gsam0', ['--sam', '--rho', 0.5, '--gsam-alpha', 0,
                                                                        '--rho-min', 0.5]),
                         ('gsam', ['--sam', '--rho', 0.5, '--gsam-alpha', 0.5, '--rho-min', 0.1]), ('base', []),
                         ('sam-rho0', ['--sam', '--rho', 0]), ('gsam-rho0', ['--sam', '--rho', 0, '--gsam-alpha', 0.5])):
+        capsys.readouterr()
         w[name], rows[name] = _cifar(cifar10_dir, tmp_path / name, *extra)
+        header = capsys.readouterr().out
+        peak = 0.05 * (1 - 0.95 / 2)  # --epochs 2 of 2 steps: locuslab's cycle at t = 1/2 epoch (--lr 0.05)
+        assert ('GSAM' in header) == name.startswith('gsam') and 'None' not in header, header
+        assert name != 'gsam' or f'| GSAM alpha 0.5 rho_min 0.1 at LR 0 .. rho 0.5 at LR {peak:g} |' in header
+        assert name != 'gsam-rho0' or f'| GSAM alpha 0.5 rho_min 0.0 at LR 0 .. rho 0.0 at LR {peak:g} |' in header
     same = lambda a, b: all(torch.equal(v, w[b][k]) for k, v in w[a].items())  # noqa: E731
     assert same('sam', 'gsam0') and same('base', 'sam-rho0') and same('base', 'gsam-rho0')
     assert not same('sam', 'gsam')
@@ -462,6 +484,53 @@ def test_cifar_gsam_resumes_bit_identically(cifar10_dir, tmp_path, one_thread, m
     assert all(torch.equal(v, resumed[k]) for k, v in whole.items())
 
 
+@pytest.mark.parametrize('epochs,peak', [(1, 0.05 / 20 * (1 - 1 / 4)), (2, 0.05 * (1 - 0.95 / 4)), (5, 0.05)])
+def test_cifar_gsam_rho_t_reaches_rho_at_the_schedules_real_peak(epochs, peak):
+    """C26: at --epochs 1 locuslab's one cycle (breakpoints 0, 0, 0, 1 epochs) never comes near --lr: lr_max was --lr,
+    so rho_t stayed near --rho-min. lr_max is now the highest LR the loop sets (4 steps an epoch; closed forms of the
+    cycle: lr/20 (1 - t) at --epochs 1, lr (1 - 0.95 t) at 2, for t <= 1 epoch; --lr at 5), where rho_t = --rho."""
+    import train_cifar
+    args = train_cifar.get_args(['--data', 'x', '--sam', '--rho', '0.1', '--rho-min', '0.02', '--gsam-alpha', '0.3',
+                                 '--lr', '0.05', '--epochs', str(epochs)])
+    opt = train_cifar.make_optimizer(args, nn.Linear(2, 2), 4)
+    assert opt.lr_max == pytest.approx(peak, rel=1e-12) and opt.lr_min == 0.0
+    opt.param_groups[0]['lr'] = peak
+    assert opt.radius(opt.param_groups[0]) == pytest.approx(0.1, rel=1e-12)
+
+
+@pytest.mark.parametrize('sched,warmup,peak,low', [('linear', 10, 0.05 * 4 / 10, 0.05 / 10), ('linear', 2, 0.05, 0),
+                                                   ('cosine', 0, 0.05, 0), ('onecycle', 0, 0.05 / 20 * (1 - 1 / 4), 0)])
+def test_imagenet_gsam_rho_t_reaches_rho_at_the_schedules_real_peak(sched, warmup, peak, low):
+    """C26's kind in train_imagenet.py: a run shorter than its warm-up (4 steps of a 10-step warm-up: the LRs are
+    1/10 .. 4/10 of --lr) or locuslab's one cycle at --epochs 1 never reaches --lr; lr_max is the highest LR it does
+    reach and lr_min its lowest (closed forms: the end of the schedule, 0, or the warm-up's first step); --lr where
+    the warm-up ends inside the run. (A 10-step warm-up in 4 steps used to give lr_min = 5/10 of --lr, the LR of a
+    step after the run's end.)"""
+    import train_imagenet
+    args = train_imagenet.get_args(['--synthetic', '--sam', '--rho', '0.1', '--rho-min', '0.02', '--lr', '0.05',
+                                    '--epochs', '1', '--sched', sched, '--warmup-steps', str(warmup)])
+    opt = train_imagenet.make_optimizer(args, nn.Linear(2, 2), 4)
+    assert opt.lr_max == pytest.approx(peak, rel=1e-12) and opt.lr_min == pytest.approx(low, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize('script', ['train_cifar', 'train_imagenet'])
+def test_a_stored_rho_min_above_a_new_rho_names_the_file(script, tmp_path):
+    """R03 / J13: --resume with a lower --rho than the run's --rho-min: the line says the value came from the run."""
+    import runs
+    import utils
+    mod, extra = __import__(script), (['--synthetic'] if script == 'train_imagenet' else ['--data', 'x'])
+    args = mod.get_args(['--sam', '--rho', '0.1', '--rho-min', '0.02', '--gsam-alpha', '0.3', *extra])
+    ckpt = {**{k: {} for k in runs.RUN_KEYS}, 'args': {k: v for k, v in vars(args).items() if k != 'saved_args'}}
+    if script == 'train_imagenet':
+        ckpt['steps_per_epoch'] = 1
+    torch.save(ckpt, tmp_path / 'last.pt')
+    message = '--rho-min must be a finite number >= 0 and <= 0.01, got 0.02'
+    with pytest.raises(utils.UserError, match=re.escape(f'{message} (from the args stored in {tmp_path / "last.pt"})')):
+        mod.get_args(['--resume', str(tmp_path / 'last.pt'), '--rho', '0.01'])
+    with pytest.raises(utils.UserError, match=re.escape(message) + '$'):  # typed: no pointer to the file
+        mod.get_args(['--resume', str(tmp_path / 'last.pt'), '--rho', '0.01', '--rho-min', '0.02'])
+
+
 @pytest.mark.parametrize('script', ['train_cifar', 'train_imagenet'])
 @pytest.mark.parametrize('argv,message', [
     (['--gsam-alpha', '0.5'], '--gsam-alpha only act with --sam'),
@@ -478,9 +547,10 @@ def test_bad_gsam_flags_are_refused(script, argv, message):
         mod.get_args(argv + (['--synthetic'] if script == 'train_imagenet' else []))
 
 
-def test_imagenet_gsam_alpha_zero_is_sam_and_logs_the_gap(cifar10_dir, tmp_path, one_thread):
+def test_imagenet_gsam_alpha_zero_is_sam_and_logs_the_gap(cifar10_dir, tmp_path, one_thread, capsys):
     """train_imagenet.py on 40 CIFAR images in its folder layout, m-sharpness groups inside 2 micro-batches:
-    --gsam-alpha 0 --rho-min = --rho is --sam bit for bit; the train rows of both hold the surrogate gap."""
+    --gsam-alpha 0 --rho-min = --rho is --sam bit for bit; the train rows of both hold the surrogate gap; the header
+    names GSAM's alpha, rho_min and the LR range (it said only 'SAM rho 0.5')."""
     import shutil
     import train_imagenet
     for split, src, n in (('train', 'train', 4), ('val', 'test', 1)):
@@ -499,6 +569,8 @@ def test_imagenet_gsam_alpha_zero_is_sam_and_logs_the_gap(cifar10_dir, tmp_path,
         w.append(torch.load(out / 'last.pt', weights_only=False)['model'])
         rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines()]
         assert [r['surrogate_gap'] > 0 for r in rows if r['kind'] == 'train'] == [True, True]
+        header = capsys.readouterr().out
+        assert ('GSAM alpha 0 rho_min 0.5 at LR 0 .. rho 0.5 at LR 0.01,' in header) == bool(extra), header
     assert all(torch.equal(v, w[1][k]) for k, v in w[0].items())
 
 
@@ -563,15 +635,162 @@ def test_unscale_inside_step_is_one_foreach_kernel_per_dtype_and_equals_unscale_
     (dict(lr_max=1.0), ValueError, 'lr_max and lr_min go together'),
     (dict(adaptive=True, adaptive_perturbation=True), ValueError, 'two perturbations'),
     (dict(alpha='0.1'), TypeError, "alpha must be a real number, got str '0.1'"),
+    (dict(rho_min='0.01', lr_max=1.0, lr_min=0.0), TypeError, "rho_min must be a real number, got str '0.01'"),
+    (dict(adaptive_perturbation='no'), TypeError, "adaptive_perturbation must be True or False, got str 'no'"),
+    (dict(adaptive_perturbation=1), TypeError, 'adaptive_perturbation must be True or False, got int 1'),
+    (dict(minimize_fp='no'), TypeError, "minimize_fp must be True or False, got str 'no'"),
+    (dict(lr_max=True, lr_min=0.0), TypeError, 'lr_max must be a real number, got bool True'),
+    (dict(lr_max=1.0, lr_min='0'), TypeError, "lr_min must be a real number, got str '0'"),
 ])
 def test_bad_gsam_settings_are_refused(kw, error, message):
     """At construction and in an added group alike (rho 0.05): a negative rho_min or alpha would turn the method
-    round; rho_min above rho or a schedule-following rho without the schedule's range has no meaning."""
+    round; rho_min above rho or a schedule-following rho without the schedule's range has no meaning; an option of
+    the wrong type is not taken for its truth value (GL09: adaptive_perturbation='no' was |w| perturbation on). A
+    refused group leaves the optimizer as it was (GL20: it stayed in, and trained with alpha -1)."""
     m = _mlp(0)
     with pytest.raises(error, match=re.escape(message)):
         GSAM(m.parameters(), torch.optim.SGD, lr=0.1, **kw)
-    group_kw = {k: v for k, v in kw.items() if k not in ('lr_max', 'lr_min')}
+    group_kw = {k: v for k, v in kw.items() if k not in ('lr_max', 'lr_min', 'minimize_fp')}
     if group_kw and 'lr_max' not in kw:
         opt = GSAM(list(m.parameters())[:1], torch.optim.SGD, lr=0.1)
         with pytest.raises(error, match=re.escape(message)):
             opt.add_param_group({'params': list(m.parameters())[1:], **group_kw})
+        assert len(opt.param_groups) == len(opt.base_optimizer.param_groups) == 1
+        assert [len(g['params']) for g in opt.param_groups] == [1]
+        opt.add_param_group({'params': list(m.parameters())[1:]})  # the same parameters, valid settings: they join
+        assert [g['alpha'] for g in opt.param_groups] == [0.0, 0.0]
+
+
+# -----------------------------------------------------------------------------
+# Issue 42: the order of a user's loop (GL11), rho_t's range (GL12), an option of the wrong type
+def _sam_readme_loop(model, opt, x, y, scaler, clip):
+    """SAM's loop (sam.py, README) with GSAM swapped in: no gsam_gradient(); unscale_, clipping, scaler.step."""
+    with first_pass(model):
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+    opt.first_step(zero_grad=True)
+    with second_pass(model):
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.parametrize('scaler', ['enabled', 'disabled', 'second_step'])
+def test_sams_loop_without_gsam_gradient_is_refused_with_w_restored(scaler):
+    """GL11: under a GradScaler (2^16) that order stepped 1,900x too far (a scaled g against an unscaled g_p), and in
+    any precision clipping acted on g_p, not on d. Now one line, w restored bit for bit, and the next (right) step
+    of the same optimizer equals a fresh optimizer's."""
+    x, y = _data(0, 32)
+    model = _mlp(1)
+    opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, lr=0.1)
+    w0 = _params(model)
+    message = re.escape('GSAM: call optimizer.gsam_gradient() right after the last second backward pass, before '
+                        'scaler.unscale_, clipping and step')
+    with pytest.raises(RuntimeError, match=message):
+        if scaler == 'second_step':
+            F.cross_entropy(model(x), y).backward()
+            opt.first_step(zero_grad=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.second_step(zero_grad=True)
+        else:
+            _sam_readme_loop(model, opt, x, y, torch.amp.GradScaler('cpu', enabled=scaler == 'enabled'), 1.0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))
+    assert not hasattr(opt, 'found_inf') and not hasattr(opt, 'grad_scale')
+    opt.zero_grad(set_to_none=True)
+    fresh = _mlp(1)
+    runs = []
+    for m, o in ((model, opt), (fresh, GSAM(fresh.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, lr=0.1))):
+        _gsam_step(m, o, [(x, y)])
+        runs.append(_params(m))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_gsams_loop_under_a_gradscaler_is_fp32s_step_and_clipping_bounds_it():
+    """GSAM's loop (gsam_gradient before unscale_): g and g_p carry the same loss scale, so a 2^16 scaler gives the
+    no-scaler weights bit for bit (powers of two); clipping at c bounds the SGD step to lr * c (the closed form)
+    and binds here (the unclipped step is longer)."""
+    x, y = _data(0, 32)
+    lr, clip, runs = 0.1, 0.3, []
+    for scaler, c in ((torch.amp.GradScaler('cpu', init_scale=2.0 ** 16), clip),
+                      (torch.amp.GradScaler('cpu', enabled=False), clip), (None, None)):
+        model = _mlp(1)
+        opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, lr=lr)
+        _gsam_step(model, opt, [(x, y)], scaler=scaler, clip=c)
+        runs.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    w0 = torch.cat([p.detach().flatten() for p in _mlp(1).parameters()])
+    assert torch.equal(runs[0], runs[1])
+    assert (runs[0] - w0).norm() <= lr * clip * (1 + 1e-5) < (runs[2] - w0).norm()
+
+
+def test_rho_t_stays_in_rho_min_rho():
+    """GL12: below lr_min (a warm-up from 0) or above lr_max, big_vision's line leaves [rho_min, rho] (here -0.011 at
+    lr 0: w moved down the gradient); it is clamped. Oracle: the closed form, and the length of first_step's move."""
+    x, y = _data(0, 8, F64)
+    for lr, want in ((0.0, 0.0), (5e-5, 0.0), (1e-4, 0.0), (5.5e-4, 0.05), (1e-3, 0.1), (2e-3, 0.1)):
+        m = _mlp(0).to(F64)
+        o = GSAM(m.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, rho_min=0.0, lr_max=1e-3, lr_min=1e-4, lr=lr)
+        assert o.radius(o.param_groups[0]) == pytest.approx(want, abs=1e-15), lr
+        w0 = torch.cat([p.detach().flatten() for p in m.parameters()])
+        F.cross_entropy(m(x), y).backward()
+        o.first_step(zero_grad=True)
+        move = torch.cat([p.detach().flatten() for p in m.parameters()]) - w0
+        assert move.norm().item() == pytest.approx(want, rel=1e-9, abs=1e-15), lr
+
+
+def test_gsam_gradient_all_reduce_must_be_a_bool():
+    m = _mlp(0)
+    o = GSAM(m.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, lr=0.1)
+    x, y = _data(0, 8)
+    F.cross_entropy(m(x), y).backward()
+    o.first_step(zero_grad=True)
+    F.cross_entropy(m(x), y).backward()
+    with pytest.raises(TypeError, match="all_reduce must be True or False, got str 'no'"):
+        o.gsam_gradient(all_reduce='no')  # 'no' would all-reduce
+
+
+# -----------------------------------------------------------------------------
+# Issue 42's tests that missed real bugs: the g_p = 0 guard; a SAM checkpoint loaded into GSAM
+@pytest.mark.parametrize('vanishes,minimize_fp', [('second', True), ('second', False), ('first', True),
+                                                  ('first', False)])
+def test_a_vanishing_gradient_gives_the_limit_not_nan(vanishes, minimize_fp):
+    """A pass whose loss does not depend on w (a ReLU net dead at w + eps) gives a zero gradient, and the projection's
+    <g, g_p>/||g_p||^2 (or <g, g_p>/||g||^2) is 0/0. The limit (nothing to project onto) is 0: with g_p = 0, d =
+    -alpha g (minimize_fp) or g; with g = 0 (then eps = 0, g_p = grad L(w) =: g1), d = g1 or alpha g1. Oracle: those
+    closed forms from autograd's gradient in fp64, through an SGD step."""
+    alpha, lr = 0.4, 0.1
+    model = _mlp(0).to(F64)
+    opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.1, alpha=alpha, lr=lr, minimize_fp=minimize_fp)
+    x, y = _data(0, 8, F64)
+    w0 = _params(model)
+    g = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+    dead = lambda: 0 * model(x).sum()  # noqa: E731 (a loss with a zero gradient)
+    with first_pass(model):
+        (dead() if vanishes == 'first' else F.cross_entropy(model(x), y)).backward()
+    opt.first_step(zero_grad=True)
+    with second_pass(model, sync=False):
+        (dead() if vanishes == 'second' else F.cross_entropy(model(x), y)).backward()
+    opt.gsam_gradient()
+    opt.second_step(zero_grad=True)
+    factor = {('second', True): -alpha, ('second', False): 1.0, ('first', True): 1.0, ('first', False): alpha}
+    for p, w, gi in zip(model.parameters(), w0, g):
+        torch.testing.assert_close(p.detach(), w - lr * factor[vanishes, minimize_fp] * gi, rtol=0, atol=1e-15)
+
+
+def test_a_sam_checkpoint_loaded_into_gsam_takes_the_constructors_gsam_settings():
+    """SAM's state_dict holds rho/adaptive/eta but no alpha, rho_min, adaptive_perturbation: GSAM fills in its
+    constructor's (the file's rho and lr win, as documented), and its next step is big_vision's gsam_gradient with
+    those settings (the fp64 oracle above)."""
+    model = _mlp(0).to(F64)
+    ckpt = SAM(model.parameters(), torch.optim.SGD, rho=0.3, lr=0.2).state_dict()
+    cfg = dict(rho_min=0.1, alpha=0.4, lr_max=0.5, lr_min=0.05)
+    opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.9, adaptive_perturbation=True, lr=0.9, **cfg)
+    opt.load_state_dict(ckpt)
+    assert {k: opt.param_groups[0][k] for k in ('rho', 'lr', 'rho_min', 'alpha', 'adaptive_perturbation')} == \
+        dict(rho=0.3, lr=0.2, rho_min=0.1, alpha=0.4, adaptive_perturbation=True)
+    x, y = _data(0, 8, F64)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    d = _gsam_gradient(_mlp_loss, params, x, y, rho_max=0.3, lr=0.2, adaptive_perturbation=True, **cfg)[1]
+    _gsam_step(model, opt, [(x, y)])
+    for (n, w), p in zip(params.items(), model.parameters()):
+        torch.testing.assert_close(p.detach(), w - 0.2 * d[n], rtol=0, atol=1e-12)

@@ -2,6 +2,8 @@
 budgets, and the library's own behaviour: one build_model for every model name of every script, one
 load_weights for every checkpoint format, against torchvision / timm-keyed models and the source model's logits."""
 import ast
+import os
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +17,8 @@ import models
 import vit
 from conftest import REPO
 
-LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment', 'hessian'}
+LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment', 'hessian', 'gsam'}
+SAM_SUCCESSORS = {'gsam'}  # leaves that may import `sam` (and nothing else of the repo): copied with sam.py, they work
 LIBRARY = {'utils': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'figures', 'anchors'},
            'anchors': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'figures'},  # (geometry --compare's)
            'flags': {'runs', 'images', 'loader', 'data', 'models', 'figures'},
@@ -56,10 +59,47 @@ def test_every_root_file_is_in_one_layer():
 
 @pytest.mark.parametrize('name', sorted(LEAVES))
 def test_a_leaf_imports_no_file_of_the_repo(name):
-    """Copying one leaf into another project just works: torch, torchvision, einops, numpy, the standard library."""
-    got = imports(name)
+    """Copying one leaf into another project just works: torch, torchvision, einops, numpy, the standard library
+    (and a SAM successor's sam.py)."""
+    got = imports(name) - ({'sam'} if name in SAM_SUCCESSORS else set())
     assert not got & (LEAVES | set(LIBRARY) | set(SCRIPTS)), got
     assert got - OUTSIDE <= set(sys.stdlib_module_names), got - OUTSIDE
+
+
+ONE_STEP = {  # a SAM successor's loop, as its docstring writes it: one step of a tiny model in an empty folder
+    'gsam': '''
+import torch, torch.nn.functional as F
+from gsam import GSAM
+from sam import first_pass, second_pass
+torch.manual_seed(0)
+model, x, y = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)), \
+    torch.randn(16, 4), torch.randint(0, 3, (16,))
+optimizer = GSAM(model.parameters(), torch.optim.SGD, rho=0.1, rho_min=0.05, alpha=0.3, lr_max=0.1, lr_min=0.0, lr=0.1)
+w0 = [p.detach().clone() for p in model.parameters()]
+with first_pass(model):
+    F.cross_entropy(model(x), y).backward()
+optimizer.first_step(zero_grad=True)
+with second_pass(model, sync=False):
+    F.cross_entropy(model(x), y).backward()
+optimizer.gsam_gradient()
+optimizer.second_step(zero_grad=True)
+assert all(torch.isfinite(p).all() for p in model.parameters())
+print(sum((p - q).norm() for p, q in zip(model.parameters(), w0)).item())
+'''}
+
+
+@pytest.mark.parametrize('name', sorted(SAM_SUCCESSORS))
+def test_a_sam_successor_copied_with_sam_py_into_an_empty_folder_trains_a_step(name, tmp_path):
+    """Issue 43: each successor imports only torch and sam.py. In a subprocess that sees only the two copied files
+    (no PYTHONPATH, the folder as its working directory), its docstring's loop takes a step that moves w."""
+    for f in (name, 'sam'):
+        shutil.copy(REPO / f'{f}.py', tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
+    code = f'import {name}, sam; assert {name}.__file__.startswith({str(tmp_path)!r})' + ONE_STEP[name]
+    proc = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.split()[-1]) > 0
 
 
 @pytest.mark.parametrize('name', sorted(LIBRARY))

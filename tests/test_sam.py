@@ -511,11 +511,16 @@ def test_weight_decay_is_not_part_of_eps():
 
 # -----------------------------------------------------------------------------
 # API: closure, shared param groups, state_dict round trip, loud misuse
-def test_step_with_closure_equals_two_step_loop():
+@pytest.mark.parametrize('bn', [False, True], ids=['layernorm', 'batchnorm'])
+def test_step_with_closure_equals_two_step_loop(bn):
+    """step(closure, model=...) is the written-out loop bit for bit, BatchNorm's running statistics included (issue
+    45: the closure's second pass ran outside second_pass, so the statistics were updated at w + eps too)."""
     x, y = _data(0, 16)
-    m1, m2 = _mlp(0), _mlp(0)
+    make = _bn_mlp if bn else _mlp
+    m1, m2 = make(0), make(0)
     o1 = SAM(m1.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
     o2 = SAM(m2.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
+
     def closure():
         o2.zero_grad()
         loss = F.cross_entropy(m2(x), y)
@@ -524,11 +529,15 @@ def test_step_with_closure_equals_two_step_loop():
 
     for _ in range(2):
         with torch.no_grad():
-            clean_loss = F.cross_entropy(m1(x), y)  # at w, before the step
+            clean_loss = F.cross_entropy(copy.deepcopy(m1)(x), y)  # at w, before the step (a copy: BN's stats)
         _sam_step(m1, o1, [(x, y)])
-        assert torch.equal(o2.step(closure).detach(), clean_loss)
-    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(o2.step(closure, model=m2).detach(), clean_loss)
+    for a, b in zip([*m1.parameters(), *m1.buffers()], [*m2.parameters(), *m2.buffers()]):
         assert torch.equal(a, b)
+    if bn:  # the oracle: two clean train-mode forwards at the two steps' w (num_batches_tracked = 2, not 4)
+        assert int(m2[1].num_batches_tracked) == 2
+    with pytest.raises(TypeError, match=r'step\(closure\) needs the model too: optimizer.step\(closure, model=model\)'):
+        o2.step(closure)
 
 
 def test_param_groups_are_shared_so_schedulers_work_on_either():
@@ -959,6 +968,27 @@ def test_bad_rho_or_eta_is_refused_at_construction(kw, error, message):
     opt = SAM(list(m.parameters())[:1], torch.optim.SGD, lr=0.1)
     with pytest.raises(error, match=message):
         opt.add_param_group({'params': list(m.parameters())[1:], **kw})
+    assert len(opt.param_groups) == len(opt.base_optimizer.param_groups) == 1  # a refused group is not kept (GL20)
+    opt.add_param_group({'params': list(m.parameters())[1:]})  # the same parameters with valid settings: they join
+    assert len(opt.param_groups) == 2
+
+
+def test_options_tested_for_truth_must_be_bools():
+    """Issue 42 (GL09's kind): zero_grad='no' would zero the gradients, sync='no' would all-reduce."""
+    m = _mlp(0)
+    opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
+    x, y = _data(0, 8)
+    F.cross_entropy(m(x), y).backward()
+    with pytest.raises(TypeError, match="zero_grad must be True or False, got str 'no'"):
+        opt.first_step(zero_grad='no')
+    opt.first_step(zero_grad=True)
+    with pytest.raises(TypeError, match="sync must be True or False, got str 'no'"):
+        with second_pass(m, sync='no'):
+            pass
+    F.cross_entropy(m(x), y).backward()
+    with pytest.raises(TypeError, match='zero_grad must be True or False, got int 1'):
+        opt.second_step(zero_grad=1)
+    opt.second_step(zero_grad=True)  # nothing was done by the refused calls: the step finishes as usual
 
 
 # -----------------------------------------------------------------------------

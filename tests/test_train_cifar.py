@@ -1008,3 +1008,94 @@ def test_16_bit_png_is_read_as_its_8_bit_levels(cifar10_dir, tmp_path):
     x, y = data.load_cifar(root, 'cifar10', True)
     want = torch.from_numpy(np.round(levels / 257).astype(np.uint8))[:, None].expand(2, 3, 32, 32)
     assert torch.equal(x[y == 3], want)
+
+
+# -----------------------------------------------------------------------------
+# train_step's GSAM against fp64 transcriptions of big_vision's gsam_gradient (issue 42, tests that missed bugs 3, 4)
+GSAM_KW = dict(rho=0.3, rho_min=0.1, alpha=0.4, lr_max=0.5, lr_min=0.05)
+GSAM_LRS = [0.5, 0.2]  # the lr of each step (rho_t follows it)
+
+
+def _gsam_train_steps(model, fwd, rank, world):
+    """train_cifar.train_step with GSAM (SGD), fp64, 2 steps of 8 images a process in groups of m = 4."""
+    from gsam import GSAM
+    import argparse
+    opt = GSAM(model.parameters(), torch.optim.SGD, lr=GSAM_LRS[0], **GSAM_KW)
+    for step, lr in enumerate(GSAM_LRS):
+        for group in opt.param_groups:
+            group['lr'] = lr
+        x, y = _gsam_data(step, world * 8)
+        tc.train_step(fwd, fwd, opt, torch.amp.GradScaler('cpu', enabled=False), nn.CrossEntropyLoss(),
+                      x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8], 4, argparse.Namespace(sam=True,
+                      clip_grad=0.0), contextlib.nullcontext())
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _gsam_data(step, n):
+    from test_gsam import _data
+    return _data(70 + step, n, torch.float64)
+
+
+def _gsam_ddp_worker(rank, world, port, out):
+    import torch.distributed as dist
+    from test_gsam import _mlp
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world)
+    try:
+        model = _mlp(0).to(torch.float64)
+        torch.save(_gsam_train_steps(model, nn.parallel.DistributedDataParallel(model), rank, world),
+                   os.path.join(out, f'rank{rank}.pt'))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_gsam_train_step_decomposes_each_replicas_g_p_then_averages(tmp_path):
+    """2 gloo processes through train_step == big_vision's recipe in fp64: each (process, group) decomposes its own
+    g_p against its own g (gsam_gradient), then the mean over all 4 groups (its train.py: pmean after), SGD w - lr d.
+    Fails if the last second pass all-reduces g_p before the decomposition (DDP's sync on its backward)."""
+    import torch.multiprocessing as mp
+    from test_gsam import _gsam_gradient, _mlp, _mlp_loss
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gsam_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f'rank{r}.pt') for r in range(2)]
+    params = {n: p.detach().clone() for n, p in _mlp(0).to(torch.float64).named_parameters()}
+    kw = dict(GSAM_KW, rho_max=GSAM_KW['rho'])
+    del kw['rho']
+    for step, lr in enumerate(GSAM_LRS):
+        x, y = _gsam_data(step, 16)
+        ds = [_gsam_gradient(_mlp_loss, params, xg, yg, lr=lr, **kw)[1] for xg, yg in zip(x.split(4), y.split(4))]
+        params = {n: p - lr * sum(d[n] for d in ds) / len(ds) for n, p in params.items()}
+    for a, b, want in zip(*got, params.values()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize('gsam', [False, True], ids=['sam', 'gsam'])
+def test_train_steps_surrogate_gap_is_the_mean_of_f_p_minus_f_over_the_groups(gsam):
+    """The logged gap h = f_p - f (Zhuang et al. eq. 2) of a step of k = 3 groups: the mean over the groups of
+    L(w + eps_j; group j) - L(w; group j), eps_j = rho_t g_j / (||g_j|| + 1e-12) from group j's own gradient. Oracle:
+    that, by autograd in fp64. (The second losses are already / k: averaging them again gave f_p / k - f.)"""
+    import argparse
+    from gsam import GSAM
+    from sam import SAM
+    from test_gsam import _data, _mlp, _mlp_loss
+    model = _mlp(0).to(torch.float64)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lr = 0.2
+    opt = GSAM(model.parameters(), torch.optim.SGD, lr=lr, **GSAM_KW) if gsam else \
+        SAM(model.parameters(), torch.optim.SGD, rho=GSAM_KW['rho'], lr=lr)
+    rho = GSAM_KW['rho_min'] + (GSAM_KW['rho'] - GSAM_KW['rho_min']) * (lr - 0.05) / 0.45 if gsam else GSAM_KW['rho']
+    x, y = _data(5, 12, torch.float64)
+    gaps = []
+    for xg, yg in zip(x.split(4), y.split(4)):
+        ps = {n: p.clone().requires_grad_() for n, p in params.items()}
+        f = _mlp_loss(ps, xg, yg)
+        g = torch.autograd.grad(f, list(ps.values()))
+        norm = torch.sqrt(sum((gi ** 2).sum() for gi in g))
+        f_p = _mlp_loss({n: p + rho * gi / (norm + 1e-12) for (n, p), gi in zip(params.items(), g)}, xg, yg)
+        gaps.append((f_p - f).item())
+    _, _, gap = tc.train_step(model, model, opt, torch.amp.GradScaler('cpu', enabled=False), nn.CrossEntropyLoss(),
+                              x, y, 4, argparse.Namespace(sam=True, clip_grad=0.0), contextlib.nullcontext())
+    assert gap.item() == pytest.approx(sum(gaps) / 3, rel=1e-12, abs=1e-15) and abs(sum(gaps)) > 1e-3
