@@ -466,7 +466,7 @@ def free_port():
 
 VIT = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=2', 'heads=2']
 CONVMIXER = ['--model', 'convmixer_256_8', '--model-kw', 'dim=16', 'depth=2', 'kernel_size=3', 'patch_size=4']
-SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0', '--top-k', '2', '--trace', '3', '--density'],
+SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0', '--top-k', '2', '--trace', '4', '--density'],
                # a ViT's zero head would make the loss flat along filter-normalised directions: a ConvMixer
                'landscape': CONVMIXER + ['--dims', '2', '--steps', '3'],
                'flatness': CONVMIXER + ['--sigma', '0.01', '0.05', '--samples', '2'], 'neurons': VIT}

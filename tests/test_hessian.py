@@ -219,7 +219,7 @@ def test_repeats_split_the_images_disjointly(cifar10_dir, tmp_path):
     classes interleaved) measured directly, mean and std over the three."""
     kw = ['dim=16', 'depth=1', 'heads=2']
     G.main(['hessian', '--model', 'vit_s4_cifar', '--model-kw', *kw, '--data', str(cifar10_dir), '--images', '24',
-            '--repeats', '3', '--iters', '30', '--trace', '3', '--out', str(tmp_path)])
+            '--repeats', '3', '--iters', '30', '--trace', '4', '--out', str(tmp_path)])
     got = json.loads((tmp_path / 'hessian.json').read_text())
     assert [r['images'] for r in got['repeats']] == [8, 8, 8] and got['n'] == 24
     lams = torch.tensor([r['lambda_max'] for r in got['repeats']], dtype=torch.float64)
@@ -294,7 +294,7 @@ def test_repeats_under_torchrun_equal_one_process(cifar10_dir, tmp_path, one_thr
     from test_geometry import free_port
     common = ['hessian', '--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=1', 'heads=2', '--data',
               str(cifar10_dir), '--images', '24', '--batch-size', '4', '--repeats', '2', '--iters', '4', '--tol', '0',
-              '--top-k', '2', '--trace', '2']
+              '--top-k', '2', '--trace', '4']
     G.main([*common, '--out', str(tmp_path / 'one')])
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': ''}
     r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '3', '--master_port',
