@@ -1,9 +1,10 @@
 """bench.py: this repo's speed beside the code people would otherwise use, as ONE markdown table.
 
 Model rows: a training step (fwd + bwd + AdamW) of our model beside timm's model of the same config,
-same weights, batch and dtype; our SAM step over our base step, GSAM over SAM; peak memory; training FLOPs; on CUDA
-the achieved TFLOP/s and MFU. cifar rows: augment.make_augment at train_cifar.py's default recipe beside
-locuslab/convmixer-cifar10's PIL pipeline (one image at a time), both on one core; then its share of a CIFAR step.
+same weights, batch and dtype (without timm: ours alone); our SAM step over our base step, GSAM over SAM; peak memory;
+training FLOPs; on CUDA the achieved TFLOP/s and MFU. --json is rewritten after every row, every figure a number.
+cifar rows: augment.make_augment at train_cifar.py's default recipe beside locuslab/convmixer-cifar10's PIL pipeline
+(one image at a time), both on one core; then its share of a CIFAR step.
 loader rows: train_imagenet.py's input per loader worker core, for each recipe and --decode path, on ImageNet-sized
 JPEGs made here, beside torchvision's ImageFolder + transforms.v2 with the same recipe.
 
@@ -14,7 +15,6 @@ JPEGs made here, beside torchvision's ImageFolder + transforms.v2 with the same 
 """
 import argparse
 import datetime
-import json
 import math
 import multiprocessing
 import os
@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 
-import timm
 import torch
 import torch._dynamo
 import torch.nn.functional as F
@@ -47,6 +46,11 @@ from gsam import GSAM
 from sam import SAM, first_pass, second_pass
 from utils import UserError
 
+try:  # the reference side of the model rows: without timm (a bare GPU machine) they time ours alone, and say so
+    import timm
+except ImportError:
+    timm = None
+
 # name: (timm's model: a timm name, or the kwargs of timm's class; (px, batch) at --quick, at full
 # size on CPU, at full size on CUDA). --quick keeps the paper sizes but small batches, and runs
 # ConvMixer-768/32 at 112 px, where one 224 px step takes seconds on a CPU core.
@@ -59,6 +63,13 @@ ROWS = {
                         (32, 32), (32, 128), (32, 512)),  # not a timm config: timm's class
     'convmixer_768_32': ('convmixer_768_32', (112, 2), (224, 4), (224, 64)),
 }
+
+# A model row's timed steps: key -> (side, optimizer, m-sharpness groups); each gives the row's KEY_s. RATIOS: each a
+# number in the JSON and a table column (header, numerator, denominator). A new optimizer: a key here, a ratio there.
+STEPS = dict(ours=('ours', False, False), ref=('timm', False, False), sam=('ours', True, False),
+             sam_m=('ours', True, True), gsam=('ours', 'gsam', False))
+RATIOS = dict(sam_over_base=('SAM/base', 'sam', 'ours'), sam_m_over_base=('SAM m/base', 'sam_m', 'ours'),
+              gsam_over_sam=('GSAM/SAM', 'gsam', 'sam'))
 
 # The default CIFAR run: train_cifar.py's defaults (tests/test_bench.py checks that they still are).
 CIFAR_RUN = dict(model='convmixer_256_8', batch_size=512, aug='strong', scale=1.0, randaug_n=2, randaug_m=12,
@@ -94,7 +105,8 @@ def get_args(argv=None):
     p.add_argument('--min-run-time', type=float, help='seconds blocked_autorange times each step (default 2, full 10)')
     p.add_argument('--json', metavar='FILE', help='also write the rows (seconds, MiB, GFLOP) as JSON')
     p.add_argument('--peak-tflops', type=float, help="the GPU's dense bf16 peak for MFU (default: PEAK_BF16's)")
-    p.add_argument('--sam-m', type=int, default=32, help='m of the m-sharpness SAM step (Foret et al. Sec. 4.1)')
+    p.add_argument('--sam-m', type=int, help='m of the m-sharpness SAM step (Foret et al. Sec. 4.1; default 32, a '
+                   'quarter of a batch not above 32; at or above the batch: the batch, one group, plain SAM)')
     args = p.parse_args(argv)
     args.rows = [r for r in args.rows.split(',') if r]
     if not args.rows:
@@ -131,7 +143,7 @@ def get_args(argv=None):
 
 # One training step, built the same way for both sides.
 def build(name, side, px):
-    """Our model or timm's (fresh random init) for row `name`; ViT/Mixer are built for px."""
+    """Our model or timm's (fresh random init) for row `name`; ViT/Mixer are built for px. side 'timm' needs timm."""
     spec, size = ROWS[name][0], {} if name.startswith('convmixer') else {'img_size': px}
     if side == 'timm':
         return timm.models.convmixer.ConvMixer(**spec) if isinstance(spec, dict) else timm.create_model(spec, **size)
@@ -140,11 +152,12 @@ def build(name, side, px):
 
 def make_step(name, side, px, batch, amp, channels_last, device, compile=False, sam=False, m=None):
     """(step, module, opt, x, y): step() runs one training step (SAM if sam, GSAM if 'gsam'; m: m-sharpness)."""
-    torch.manual_seed(0)  # the same weights on both sides: ours loads timm's (the same keys)
-    module = theirs = build(name, 'timm', px)
+    torch.manual_seed(0)  # the same weights on both sides: ours loads timm's (the same keys), if timm is there
+    module = theirs = build(name, 'timm', px) if timm else None
     if side == 'ours':
         module = build(name, 'ours', px)
-        module.load_state_dict(theirs.state_dict())
+        if theirs is not None:
+            module.load_state_dict(theirs.state_dict())
     layout = torch.channels_last if channels_last else torch.contiguous_format
     module = module.to(device, memory_format=layout).train()
     model = torch.compile(module) if compile else module
@@ -239,12 +252,16 @@ def bench_model(name, args, compile=False, nhwc=False):
     row = dict(row=name, px=px, batch=batch, dtype=args.amp, mode=('compile' if compile else 'eager') + ' NHWC' * nhwc,
                ref=f'timm {ROWS[name][0] if isinstance(ROWS[name][0], str) else "ConvMixer(256, 8, k5, p2)"}',
                gflops=train_gflops(lambda: build(name, 'ours', px), px))
-    row['sam_m'] = m = args.sam_m if args.sam_m < batch else max(1, batch // 4)  # 32 at 128; small batch: a quarter
-    for key, side, sam, m_ in (('ours', 'ours', 0, 0), ('ref', 'timm', 0, 0), ('sam', 'ours', 1, 0),
-                               ('sam_m', 'ours', 1, m), ('gsam', 'ours', 'gsam', 0)):
+    # m: 32 at 128; a small batch a quarter; --sam-m at or above the batch is the batch (one group: SAM itself)
+    row['sam_m'] = m = min(args.sam_m, batch) if args.sam_m else 32 if batch > 32 else max(1, batch // 4)
+    if timm is None:
+        row['note'] = 'timm is not installed: our steps alone, no side by side'
+    for key, (side, sam, grouped) in STEPS.items():
+        if side == 'timm' and timm is None:
+            continue
         if compile:  # compiled sides share dynamo's cache: the next would recompile, dynamic in the batch; start clean
             torch._dynamo.reset()
-        step = make_step(name, side, *common, sam if sam == 'gsam' else bool(sam), m_)[0]
+        step = make_step(name, side, *common, sam, m if grouped else 0)[0]
         step()  # first step: AdamW's state, cudnn.benchmark's choice, the compile
         row[f'{key}_s'] = median_s(step, args.min_run_time)
         del step
@@ -356,27 +373,41 @@ def matmul_peak(device, n=8192):
     return 2 * n ** 3 / median_s(lambda: a @ b, 2.0)
 
 
+def numbers(r, peak=None, measured=None):
+    """A row's figures as numbers (the JSON's; the table prints them): img/s per side, ours/ref, the step ratios,
+    achieved TFLOP/s (img/s x training FLOP per image); MFU of a peak and of a measured matmul's FLOP/s, if given."""
+    ips = {side: r['batch'] / r[f'{key}_s'] if f'{key}_s' in r else None
+           for side, key in (('', 'ours'), ('ref_', 'ref'))}
+    n = dict(img_per_s=ips[''], ref_img_per_s=ips['ref_'], ours_over_ref=ips[''] / ips['ref_'] if ips['ref_'] else None,
+             **{k: r[f'{a}_s'] / r[f'{b}_s'] if f'{a}_s' in r and f'{b}_s' in r else None
+                for k, (_, a, b) in RATIOS.items()})
+    for side, v in ips.items():
+        achieved = v * r['gflops'] * 1e9 if v and r.get('gflops') else None
+        n.update({f'{side}tflops': achieved and achieved / 1e12, f'{side}mfu': achieved / peak if achieved and peak
+                  else None, f'{side}mfu_measured': achieved / measured if achieved and measured else None})
+    return n
+
+
 def table(rows, gpu=None, peak_tflops=None, measured=None):
     """The markdown table; gpu = the CUDA device's name adds achieved TFLOP/s (img/s x training FLOP
     per image) and MFU (achieved / the peak: peak_tflops, else PEAK_BF16[gpu]; neither: no MFU, a note), per side;
     measured (FLOP/s of a large bf16 matmul in this run) adds the MFU of what this GPU achieves."""
     peak = peak_tflops * 1e12 if peak_tflops else PEAK_BF16.get(gpu)
-    head = ['row', 'px', 'batch', 'dtype', 'mode', 'ours img/s', 'ref img/s', 'ours/ref', 'SAM/base', 'SAM m/base',
-            'GSAM/SAM', 'peak MiB ours / ref', 'train GFLOP/img'] + \
+    head = ['row', 'px', 'batch', 'dtype', 'mode', 'ours img/s', 'ref img/s', 'ours/ref',
+            *(h for h, _, _ in RATIOS.values()), 'peak MiB ours / ref', 'train GFLOP/img'] + \
         ['TFLOP/s ours / ref', 'MFU ours / ref'] * bool(gpu) + ['MFU of measured ours / ref'] * bool(gpu and measured)
     lines = ['| ' + ' | '.join(head + ['reference; notes']) + ' |', '|' + '---|' * (len(head) + 1)]
+    pct = lambda a, b: ' / '.join(f'{100 * v:.1f}%' if v else '—' for v in (a, b))  # noqa: E731
     for r in rows:
-        ips = [r['batch'] / r[k] if k in r else None for k in ('ours_s', 'ref_s')]
-        cells = [r['row'], r['px'], r['batch'], r['dtype'], r['mode'], fmt(ips[0]), fmt(ips[1]),
-                 f'{ips[0] / ips[1]:.2f}' if ips[1] else '—',
-                 f"{r['sam_s'] / r['ours_s']:.2f}" if 'sam_s' in r else '—',
-                 f"{r['sam_m_s'] / r['ours_s']:.2f} (m {r['sam_m']})" if 'sam_m_s' in r else '—',
-                 f"{r['gsam_s'] / r['sam_s']:.2f}" if 'gsam_s' in r else '—',
-                 f"{fmt(r['ours_mib'])} / {fmt(r['ref_mib'])}" if 'ours_mib' in r else '—', fmt(r.get('gflops'))]
+        n = numbers(r, peak, measured)
+        cells = [r['row'], r['px'], r['batch'], r['dtype'], r['mode'], fmt(n['img_per_s']), fmt(n['ref_img_per_s']),
+                 f"{n['ours_over_ref']:.2f}" if n['ours_over_ref'] else '—',
+                 *(f'{n[k]:.2f}' + f" (m {r.get('sam_m')})" * (k == 'sam_m_over_base') if n[k] else '—'
+                   for k in RATIOS),
+                 f"{fmt(r['ours_mib'])} / {fmt(r.get('ref_mib'))}" if 'ours_mib' in r else '—', fmt(r.get('gflops'))]
         if gpu:
-            tflops = [i * r['gflops'] / 1e3 if i and 'gflops' in r else None for i in ips]
-            mfu = [' / '.join(f'{100e12 * t / p:.1f}%' if t and p else '—' for t in tflops) for p in (peak, measured)]
-            cells += [' / '.join(map(fmt, tflops)), mfu[0]] + mfu[1:] * bool(measured)
+            cells += [f"{fmt(n['tflops'])} / {fmt(n['ref_tflops'])}", pct(n['mfu'], n['ref_mfu'])] + \
+                [pct(n['mfu_measured'], n['ref_mfu_measured'])] * bool(measured)
         lines.append('| ' + ' | '.join(map(str, cells + ['; '.join(r[k] for k in ('ref', 'note') if k in r)])) + ' |')
     if gpu and not peak:
         lines.append(f'\nunknown GPU: give --peak-tflops (its dense bf16 peak) for MFU; {gpu!r} is not in PEAK_BF16')
@@ -392,7 +423,8 @@ def header(args, argv):
     gpu = torch.cuda.get_device_name(args.device) if args.device.type == 'cuda' else 'no GPU used'
     return (f'## bench.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n'
             f'Machine: {cpu}, {len(os.sched_getaffinity(0))} cores (torch threads {torch.get_num_threads()}); '
-            f'{gpu}; torch {torch.__version__}, timm {timm.__version__}, torchvision {torchvision.__version__}; '
+            f'{gpu}; torch {torch.__version__}, timm {timm.__version__ if timm else "not installed"}, '
+            f'torchvision {torchvision.__version__}; '
             f'load average at start {" / ".join(f"{x:.1f}" for x in os.getloadavg())} (1/5/15 min)\n\n'
             f'Command: `python bench.py {" ".join(sys.argv[1:] if argv is None else argv)}`\n\n'
             f'img/s = batch / median of blocked_autorange(min_run_time={args.min_run_time} s); peak MiB: what '
@@ -406,31 +438,35 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     head = header(args, argv)
     print(head, flush=True)
+    gpu = torch.cuda.get_device_name(args.device) if args.device.type == 'cuda' else None
+    measured = matmul_peak(args.device) if gpu else None  # first: every row's MFU is in the JSON as it is written
+    peaks = dict(datasheet_tflops=args.peak_tflops or PEAK_BF16.get(gpu, 0) / 1e12 or None,
+                 measured_tflops=measured and measured / 1e12)
     rows = []
+
+    def save(new, done=False):  # after every row: a run stopped part-way (gpu_check's budget) keeps what it finished
+        rows.extend(new)
+        if args.json:  # (its folder was checked before the benchmark ran)
+            peak = args.peak_tflops * 1e12 if args.peak_tflops else PEAK_BF16.get(gpu)
+            out = [dict(r, **numbers(r, peak, measured)) for r in rows]
+            save_atomic(args.json, dict(header=head, rows=out, table=table(rows, gpu, args.peak_tflops, measured),
+                                        finished=done, **peaks))
     for compile, name in ((c, r) for c in [False] + [True] * args.compile for r in args.rows
                           if r not in ('cifar', 'loader')):
         for nhwc in layouts(name, args):
             print(f'[bench] {name}{" (compile)" * compile}{" NHWC" * nhwc} ...', file=sys.stderr, flush=True)
             try:
-                rows.append(bench_model(name, args, compile, nhwc))
+                save([bench_model(name, args, compile, nhwc)])
             except Exception as e:  # a compile that fails here is a row of the table, not the end
                 if not compile:
                     raise
-                rows.append(dict(row=name, px='', batch=0, dtype=args.amp, mode='compile', note=f'failed: {e!r}'[:120]))
-    if 'cifar' in args.rows:
-        print('[bench] cifar ...', file=sys.stderr, flush=True)
-        rows += bench_cifar(args)
-    if 'loader' in args.rows:
-        print('[bench] loader ...', file=sys.stderr, flush=True)
-        rows += bench_loader(args)
-    gpu = torch.cuda.get_device_name(args.device) if args.device.type == 'cuda' else None
-    measured = matmul_peak(args.device) if gpu else None
-    print(text := table(rows, gpu, args.peak_tflops, measured))
-    peaks = dict(datasheet_tflops=args.peak_tflops or PEAK_BF16.get(gpu, 0) / 1e12 or None,
-                 measured_tflops=measured and measured / 1e12)
-    if args.json:  # (its folder was checked before the benchmark ran)
-        save_atomic(args.json, lambda f: f.write(json.dumps(dict(header=head, rows=rows, table=text, **peaks),
-                                                            indent=1).encode()))
+                save([dict(row=name, px='', batch=0, dtype=args.amp, mode='compile', note=f'failed: {e!r}'[:120])])
+    for name, fn in (('cifar', bench_cifar), ('loader', bench_loader)):
+        if name in args.rows:
+            print(f'[bench] {name} ...', file=sys.stderr, flush=True)
+            save(fn(args))
+    save([], done=True)
+    print(table(rows, gpu, args.peak_tflops, measured))
 
 
 if __name__ == '__main__':

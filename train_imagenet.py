@@ -111,8 +111,8 @@ def get_args(argv=None):
     a('--epochs', 'training epochs', type=int)
     a('--batch-size', 'GLOBAL batch of one optimizer step (all processes x --accum-steps)', type=int)
     a('--accum-steps', 'micro-batches per step and process (0: the fewest of at most --max-micro-batch)', type=int)
-    a('--max-micro-batch', 'most images per forward pass and process; 0: 256 per 40 GiB of the GPU, at least 256, 256 '
-      'on a CPU (utils.micro_batch_cap: 256 fits a 40 GB GPU for the B models in bf16, ~63 MiB an image)', type=int)
+    a('--max-micro-batch', 'most images per forward pass and process; 0: what fits the GPU for this model at this '
+      '--img-size (utils.micro_batch_cap: activations counted on the meta device), 256 on a CPU', type=int)
     a('--lr', 'peak learning rate (for the recipe\'s --batch-size: scale it with the batch, Goyal et al.)', type=float)
     a('--opt', 'adamw (betas 0.9, 0.999) or sgd (momentum 0.9)', choices=['adamw', 'sgd'])
     a('--opt-eps', 'AdamW epsilon', type=float)
@@ -268,7 +268,7 @@ def save_run(out, model, optimizer, scaler, step, steps_per_epoch, history, info
     save_atomic(Path(out, 'args.json'), info)
 
 
-def make_data(args, proc, micro=0):
+def make_data(args, proc, micro=0, fmt=torch.preserve_format):
     """(val_loader, num_classes, train loader of micro-batches, its sampler, mixup/cutmix or None); the train parts
     are None with --eval-only. Rank r evaluates images r, r + W, ...: exact, no padding. Workers persist across
     epochs and evaluations (each image's draws come from its own seed, not from the worker's RNG)."""
@@ -297,6 +297,8 @@ def make_data(args, proc, micro=0):
         raise UserError(f'--batch-size {args.batch_size} is larger than the training set ({len(train_set)} images)')
     train_loader = OneBatch(micro, args.img_size, num_classes, proc.device) if args.synthetic else \
         torch.utils.data.DataLoader(train_set, batch_size=micro, sampler=sampler, **loader_kw)  # uint8 micro-batches
+    if args.synthetic:  # in the model's layout once (fmt: channels_last for a ConvMixer on a GPU), not every step
+        train_loader.batch = (train_loader.batch[0].to(memory_format=fmt), train_loader.batch[1])
     mix = [v2.MixUp(alpha=args.mixup, num_classes=num_classes)] if args.mixup > 0 else []
     mix += [v2.CutMix(alpha=args.cutmix, num_classes=num_classes)] if args.cutmix > 0 else []
     mix = v2.RandomChoice(mix) if mix else None  # on the batch: one of them, p 0.5 each (timm)
@@ -306,7 +308,9 @@ def make_data(args, proc, micro=0):
 def split_batch(args, world):
     """-> (images per process and step, micro-batches k, m-sharpness group m). The global batch never changes:
     k is --accum-steps, or the fewest micro-batches of at most --max-micro-batch images; m divides a micro-batch."""
-    args.max_micro_batch = args.max_micro_batch or micro_batch_cap()  # derived from this GPU (stored with the run)
+    args.max_micro_batch = args.max_micro_batch or micro_batch_cap(  # from this GPU, model, image size (stored)
+        lambda: build_model(args.model, 1000, args.img_size, parse_model_kw(args.model_kw)), args.img_size,
+        half=args.amp != 'off')
     per_step, cap = args.batch_size // world, args.max_micro_batch
     k = args.accum_steps or next(k for k in range(1, per_step + 2) if per_step % k == 0 and per_step // k <= cap)
     if args.batch_size % (world * k):
@@ -384,7 +388,8 @@ def main(argv=None):
                                 os.path.join('runs', 'imagenet', args.model + '_sam' * args.sam))
         prepare_out(args, lock=master)  # (one lock: rank 0's)
     init_group(proc)
-    val_loader, num_classes, train_loader, sampler, mix = make_data(args, proc, 0 if args.eval_only else per_step // k)
+    val_loader, num_classes, train_loader, sampler, mix = make_data(args, proc, 0 if args.eval_only else per_step // k,
+                                                                    fmt)
     mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in MEANS[args.norm])
     # --- model: trained through DDP; evaluated bare (no collectives: ranks may run unequal eval batches) --------
     torch.manual_seed(args.seed)  # the same initial weights on every rank and world size

@@ -78,15 +78,24 @@ def setup(amp='auto'):
     return Process(rank, local_rank, world, device, amp, dtype, autocast, world > 1)
 
 
-def micro_batch_cap(device=None):
-    """The default --max-micro-batch (train_imagenet.py): 256 images for every whole 40 GB (4e10 bytes) of the GPU's
-    memory, at least 256; 256 on the CPU. 256 was sized for a 40 GB card and the B models in bf16 (ViT-B/16 SAM:
-    ~63 MiB an image), and activations grow linearly with the batch: an 80 GB card (85.5e9 bytes) gets 512, a 141 GB
-    H200 (150.8e9) 768. gpu_check.py's memory part measures the peak at 64, 256 and this figure."""
+def micro_batch_cap(make_model, img_size, half=True, device=None):
+    """The default --max-micro-batch (train_imagenet.py): as many images as fit, by this model's activations at this
+    image size, in 80% of the GPU's memory (the rest: the allocator's slack, cuDNN's workspace, temporaries) beside
+    24 bytes a parameter (fp32 weights, gradients, AdamW's two moments, SAM's w or GSAM's g); 256 on the CPU.
+    make_model() builds the model, here on the meta device; its activations: what autograd saves per image
+    (saved_bytes; bf16 when half; the math attention keeps the (N, N) scores, which a GPU's fused kernels do not:
+    the cap errs low). A fixed 256 per 40 GB ran ViT-L/16 and ViT-B/8 at 224 px and the 384 px fine-tune out of an
+    80 GB card (~290, ~940, ~560 MiB an image; ViT-B/16 at 224 px ~110). None fits: one line (utils.fit)."""
     if not torch.cuda.is_available():
         return 256
-    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
-    return 256 * max(1, props.total_memory // 40_000_000_000)
+    total = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device).total_memory
+    dtype = torch.bfloat16 if half else torch.float32
+    with torch.device('meta'):
+        model = make_model()
+    per_image = saved_bytes(torch.empty(2, 3, img_size, img_size, device='meta', dtype=dtype), model.to(dtype))
+    params = sum(p.numel() for p in model.parameters())
+    return fit(per_image, 24 * params, total, 4096, f'--max-micro-batch: this model at {img_size} px',
+               ' of this GPU\'s memory: a smaller model or --img-size')
 
 
 def init_group(proc, timeout_min=60):

@@ -5,6 +5,8 @@ TFLOP/s and MFU arithmetic is checked here with made-up rows and named devices.
 Speed itself is never asserted: the figures are reported as measured."""
 import copy
 import functools
+import json
+import os
 import math
 import re
 import subprocess
@@ -347,3 +349,51 @@ def test_timed_m_sharpness_step_is_the_group_loop_written_out():
     whole = bench.make_step('convmixer_256_8', 'ours', 8, 4, 'off', False, CPU, sam=True)
     whole[0]()
     assert rel([whole[2].state[p]['exp_avg'] / 0.1 for p in whole[1].parameters()], g_sam) > 0.01
+
+
+# -----------------------------------------------------------------------------
+# issue 45: what a GPU run of gpu_check.py needs from bench.py
+def test_without_timm_bench_times_ours_alone(tmp_path):
+    """A GPU machine without timm (gpu_check.py's bench part): the model rows time our steps and say why there is no
+    reference side; bench used to stop at its `import timm`. timm is hidden by a module that fails to import."""
+    (tmp_path / 'hide').mkdir()
+    (tmp_path / 'hide' / 'timm.py').write_text('raise ImportError("hidden by the test")\n')
+    env = {**os.environ, 'PYTHONPATH': str(tmp_path / 'hide'), 'OMP_NUM_THREADS': '1'}
+    r = subprocess.run([sys.executable, str(REPO / 'bench.py'), '--rows', 'convmixer_256_8', '--batch-size', '2',
+                        '--img-size', '8', '--min-run-time', '0.01', '--json', tmp_path / 'b.json'], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads((tmp_path / 'b.json').read_text())['rows']
+    assert 'ours_s' in row and 'sam_s' in row and 'gsam_s' in row and 'ref_s' not in row
+    assert row['note'] == 'timm is not installed: our steps alone, no side by side' and row['ours_over_ref'] is None
+    assert 'timm not installed' in r.stdout
+
+
+def test_the_json_holds_each_finished_row_as_numbers(tmp_path, monkeypatch):
+    """--json is rewritten after every row, so a run stopped part-way (gpu_check's budget) keeps its finished rows;
+    each row's figures are numbers: img/s = batch / median, the step ratios, achieved TFLOP/s and, with a peak, MFU."""
+    monkeypatch.setattr(bench, 'median_s', lambda fn, *a, **k: fn() or 0.25)
+    monkeypatch.setattr(bench, 'peak_mib', lambda *a: 5.0)
+    monkeypatch.setattr(bench, 'bench_cifar', lambda args: (_ for _ in ()).throw(RuntimeError('stopped')))
+    with pytest.raises(RuntimeError, match='stopped'):
+        bench.main(['--rows', 'convmixer_256_8,cifar', '--batch-size', '4', '--img-size', '8', '--device', 'cpu',
+                    '--json', str(tmp_path / 'b.json')])
+    got = json.loads((tmp_path / 'b.json').read_text())
+    (row,) = got['rows']
+    assert got['finished'] is False and row['row'] == 'convmixer_256_8'
+    assert row['img_per_s'] == 4 / 0.25 and row['sam_over_base'] == 1.0 and row['gsam_over_sam'] == 1.0
+    assert row['tflops'] == pytest.approx(16 * row['gflops'] / 1e3) and row['mfu'] is None  # CPU: no peak
+    n = bench.numbers(dict(row, ours_s=0.5), peak=2e12, measured=1e12)
+    assert n['mfu'] == pytest.approx(8 * row['gflops'] * 1e9 / 2e12)
+    assert n['mfu_measured'] == pytest.approx(8 * row['gflops'] * 1e9 / 1e12)
+
+
+def test_sam_m_at_or_above_the_batch_is_the_batch(monkeypatch):
+    """B04: --sam-m 100 on a batch of 8 was replaced by 2 without a word; m >= the batch is one group of the whole
+    batch (plain SAM), and the table says m 8."""
+    monkeypatch.setattr(bench, 'median_s', lambda fn, *a, **k: fn() or 1.0)
+    monkeypatch.setattr(bench, 'peak_mib', lambda *a: 1.0)
+    for given, want in ((100, 8), (8, 8), (2, 2), (None, 2)):  # None: the default, a quarter of a batch of 8
+        args = bench.get_args(['--rows', 'convmixer_256_8', '--batch-size', '8', '--img-size', '8', '--device', 'cpu',
+                               *(['--sam-m', str(given)] if given else [])])
+        assert bench.bench_model('convmixer_256_8', args)['sam_m'] == want, given

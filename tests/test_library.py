@@ -31,7 +31,9 @@ LIBRARY = {'utils': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'fig
 # (module: the library modules it may NOT import: utils < flags, utils < runs < data < models, utils < images < loader < data,
 # runs < figures; no cycles)
 SCRIPTS = {'train_cifar': 420, 'train_imagenet': 480, 'train_contrastive': 575, 'geometry': 900, 'robustness': 710,
-           'bench': 420, 'gpu_check': 520}  # lines: reading targets; "a little over is fine where the code earns it": 5%
+           'bench': 500, 'gpu_check': 520, 'gpu_probe': 170}  # lines: reading targets; "a little over is fine where
+# the code earns it": 5%. Issue 45 (2026-12-07): bench 420 -> 500 (the JSON's numbers, no timm, rows saved as they
+# finish), gpu_probe.py new (gpu_check's in-process parts, each a process its deadline can end).
 # Raised in issues 33-37 (2026-12-03), each where a file sat at its limit: geometry 700 -> 900 (issue 34's input
 # checks; issue 36's spectrum, repeats and --compare; issue 33's memory sizing; the algorithms went to hessian.py),
 # robustness 600 -> 710 (issue 34's checks; issue 37's sharded corruption and memmap cache), bench 320 -> 420 (the

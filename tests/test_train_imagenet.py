@@ -632,6 +632,22 @@ def test_synthetic_trains_a_sam_vit_without_data(tmp_path):
     assert ckpt['steps_per_epoch'] == 1_281_167 // 8 and ckpt['model']['head.weight'].shape == (1000, 32)
 
 
+def test_synthetic_serves_the_models_layout(tmp_path, monkeypatch):
+    """--synthetic with a channels_last ConvMixer (the default on a GPU): the one batch is made in that layout once;
+    it was NCHW, so every step converted it (issue 45). The model's input, read by a hook, is NHWC."""
+    seen, build = [], ti.build_model
+
+    def hooked(*a, **k):
+        model = build(*a, **k)
+        model.register_forward_pre_hook(lambda m, x: seen.append(x[0].is_contiguous(memory_format=torch.channels_last)))
+        return model
+    monkeypatch.setattr(ti, 'build_model', hooked)
+    main(['--synthetic', '--model', 'convmixer_768_32', '--model-kw', 'dim=8', 'depth=1', 'patch_size=4',
+          '--img-size', 16, '--batch-size', 4, '--max-steps', 2, '--log-every', 0, '--workers', 0, '--channels-last',
+          '--out', tmp_path / 'syn'])
+    assert seen == [True, True]
+
+
 def test_convmixer_recipe_randaugment_is_timms_m9_on_both_scripts_scale():
     """timm's rand-m9 scales each op's maximum by m / 10 = 0.9. --randaug-m is torchvision's bin of 0..30 (as in
     train_cifar.py), so the recipe's default must land on the same 0.9, and the op gets the recipe's n."""
