@@ -1,13 +1,10 @@
 """hessian.py beside the curvature libraries people use, on one model, one batch of images and one start vector:
-`geometry.py hessian --compare [pyhessian curvlinops eigenthings]` (docs/geometry.md). Each library is imported here
-only, and only when named: PyHessian 0.1, curvlinops-for-pytorch 3.0.1, hessian-eigenthings 1.0.0a5 (PACKAGES; a
-missing one is named in one line). The reference: our Lanczos to a residual of 1e-10 |lambda| (float64 basis over
-the fp32 products). Measured (compare): ours, products until the top-1 / top-5 eigenvalues meet a residual <= reach
-|lambda|, lambda_min, tr H by XTrace and by Hutchinson; curvlinops, its product beside ours (its jvp of jacrev is
-wrong with LayerNorm: tests/test_curvature.py) and scipy's eigsh on its operator; hessian-eigenthings, its deflated
-power iteration (k = 5) with each eigenvalue's flag, true residual and distance to the reference; PyHessian, trace()
-(the probes it used) and eigenvalues(top_n=5); seconds per vector of single and batched products. Bare --compare:
-to_lambda_max, products and seconds to lambda_max against PyHessian's power iteration."""
+`geometry.py hessian --compare [LIBRARY ...]` (docs/geometry.md). Each library is imported here only, when named
+(PACKAGES; a missing one is named in one line). compare: against our Lanczos to a residual of 1e-10 |lambda|, ours
+(products to the top-1 / top-5 at reach, lambda_min, tr H by XTrace and Hutchinson), curvlinops (its product, wrong
+with LayerNorm: tests/test_curvature.py; scipy's eigsh on its operator), hessian-eigenthings (deflated power
+iteration: each eigenvalue's flag, true residual, distance to the reference), PyHessian (trace()'s probes,
+eigenvalues(top_n=5)), seconds per vector. Bare --compare: to_lambda_max, against PyHessian's power iteration."""
 import math
 import statistics
 import sys
@@ -24,11 +21,15 @@ PACKAGES = {'pyhessian': 'pyhessian==0.1', 'curvlinops': 'curvlinops-for-pytorch
             'eigenthings': 'hessian-eigenthings==1.0.0a5'}
 
 
-def require(name):  # the anchor's module, or one line naming what to install
-    try:
-        return __import__({'eigenthings': 'hessian_eigenthings'}.get(name, name))
-    except ImportError:
-        raise UserError(f'--compare {name} needs {PACKAGES[name]}: pip install {PACKAGES[name]}') from None
+def require(*names, world=1):  # the (last) library's module, or one line naming what to install; one process
+    if world > 1:
+        raise UserError('--compare runs in one process (the other libraries cannot split the images)')
+    for name in names:
+        try:
+            module = __import__({'eigenthings': 'hessian_eigenthings'}.get(name, name))
+        except ImportError:
+            raise UserError(f'--compare {name} needs {PACKAGES[name]}: pip install {PACKAGES[name]}') from None
+    return module
 
 
 def worst(got, want):  # the largest relative error of the eigenvalues `got` against the reference `want`
@@ -125,8 +126,7 @@ def per_vector(products, reps, cuda):
 
 def compare(model, x, y, names, seed=0, probes=100, reach=1e-4, batch=8, reps=5, say=print):
     """The side-by-side of the module's docstring on the images (x, y) as one batch (the model in eval mode)."""
-    for name in names:
-        require(name)  # every one named is there before any work
+    require(*names)  # every one named is there before any work
     params = [p for p in model.parameters() if p.requires_grad]
     with sdpa_kernel(SDPBackend.MATH):  # (the fused attention kernels have no double backward)
         matvec, n = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
@@ -172,15 +172,13 @@ def compare(model, x, y, names, seed=0, probes=100, reach=1e-4, batch=8, reps=5,
 
 
 def to_lambda_max(model, x, y, seed, say, most=100, reach=1e-4, reps=15):
-    """`hessian --compare`: products and seconds until lambda_max is within `reach` (relative) of the reference
-    (Lanczos to a residual of 1e-10): Lanczos, power iteration, PyHessian 0.1's eigenvalues() (its power iteration),
-    on the same model, images (one batch: PyHessian's single-batch path keeps the gradient's graph, as our 'cached'
-    mode) and start vector (hessian.start_vector(seed) draws what PyHessian draws after torch.manual_seed(seed)).
-    Per product, fairly: after a warm-up, `reps` timings of each bare product, ours (the 'cached' matvec) and
-    PyHessian's (hessian_vector_product on its own graph of the same images), interleaved in alternating order; the
-    median CPU seconds of this process (process_time: what another job on a shared machine cannot inflate much;
-    with one torch thread, the work itself), the best, the median wall seconds, and the median ratio of neighbouring
-    timings (ours / PyHessian's: what drifts in the load cancels). On CUDA all are wall, after a synchronize."""
+    """`hessian --compare`: products and seconds until each is within `reach` (relative) of the eigenvalue it converges
+    to (by Lanczos to a residual of 1e-10): Lanczos to lambda_max; power iteration and PyHessian 0.1's eigenvalues()
+    to the largest in magnitude (H29: another where a negative one is larger); the same model, images (one batch, as
+    PyHessian's single-batch path and our 'cached' mode) and start vector (start_vector(seed) draws what PyHessian
+    draws after torch.manual_seed(seed)). Per product: after a warm-up, `reps` timings of each, interleaved in
+    alternating order, in CPU seconds of this process (process_time: what other jobs inflate least): the median, the
+    best, and the median ratio of neighbouring timings (ours / PyHessian's: a drift of the load cancels). CUDA: wall."""
     PyHessian = require('pyhessian').hessian
     hessian_vector_product = sys.modules['pyhessian.utils'].hessian_vector_product
     params, rows, cuda = [p for p in model.parameters() if p.requires_grad], {}, x.is_cuda
@@ -196,15 +194,17 @@ def to_lambda_max(model, x, y, seed, say, most=100, reach=1e-4, reps=15):
         t0 = clock()
         matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
         build, v0 = since(t0, clock()), hessian.start_vector(params, seed)
-        ref = hessian.lanczos(matvec, v0, 1, 300, 1e-10)['eigenvalues'][0]  # (also our warm-up)
+        # the references: the largest algebraic (lambda_max) and in magnitude (the first is also our warm-up)
+        ref, ref_lm = (hessian.lanczos(matvec, v0, 1, 300, 1e-10, which)['eigenvalues'][0] for which in ('LA', 'LM'))
+        near = lambda e, want: abs(e - want) <= reach * abs(want)  # noqa: E731
         for name, run in (('Lanczos', lambda log: hessian.lanczos(matvec, v0, 1, most, reach, progress=log)['history']),
                           ('power iteration', lambda log: hessian.power_iteration(  # (runs on past the reach)
                               matvec, v0, most, reach / 100, progress=log)[2])):
-            stamps, t0 = [], clock()
+            stamps, t0, want = [], clock(), ref if name == 'Lanczos' else ref_lm
             history = run(lambda msg: stamps.append(since(t0, clock())))
-            k = next((i for i, e in enumerate(history) if abs(e - ref) <= reach * abs(ref)), None)
+            k = next((i for i, e in enumerate(history) if near(e, want)), None)
             rows[name] = dict(hvps=None if k is None else k + 1, seconds=None if k is None else build[1] + stamps[k][1],
-                              cpu_seconds=None if k is None else build[0] + stamps[k][0],
+                              cpu_seconds=None if k is None else build[0] + stamps[k][0], reference=want,
                               s_per_step=stamps[-1][0] / len(stamps), lambda_max=history[-1 if k is None else k])
         steps = rows['power iteration']['hvps'] or most  # the same iteration from the same start: as many products
         with sdpa_kernel(SDPBackend.MATH):  # (the fused attention has no double backward)
@@ -217,32 +217,34 @@ def to_lambda_max(model, x, y, seed, say, most=100, reach=1e-4, reps=15):
             t2 = clock()
             lam = ph.eigenvalues(maxIter=steps, tol=0.0)[0][0]  # tol 0: exactly `steps` products
             run = since(t2, clock())
-        reached, first = abs(lam - ref) <= reach * abs(ref), since(t0, t1)
+        reached, first = near(lam, ref_lm), since(t0, t1)
         rows['PyHessian 0.1'] = dict(hvps=steps if reached else None, seconds=first[1] + run[1] if reached else None,
                                      cpu_seconds=first[0] + run[0] if reached else None, s_per_step=run[0] / steps,
-                                     lambda_max=lam, ran=steps)  # (not within reach: after `steps` products)
-        products = dict(ours=lambda: matvec(v0))
-        products['PyHessian 0.1'] = lambda: hessian_vector_product(ph.gradsH, ph.params, v)
+                                     lambda_max=lam, ran=steps, reference=ref_lm)  # (else: after `steps` products)
+        products = {'ours': lambda: matvec(v0),
+                    'PyHessian 0.1': lambda: hessian_vector_product(ph.gradsH, ph.params, v)}
         times = {k: [] for k in products}
         for r in range(reps):
             for k in list(products)[::1 if r % 2 else -1]:  # alternating order: neither always first
                 t0 = clock()
                 products[k]()
                 times[k].append(since(t0, clock()))
-        for p in params:  # PyHessian leaves the create_graph gradient (and its graph) in .grad
-            p.grad = None
-    per = {k: [statistics.median([t[i] for t in ts]) for i in (0, 1)] + [min(t[0] for t in ts)]
-           for k, ts in times.items()}
+        model.zero_grad(set_to_none=True)  # PyHessian leaves the create_graph gradient (and its graph) in .grad
     for name, r in rows.items():
-        r['s_per_hvp'], r['wall_per_hvp'], r['best_s_per_hvp'] = per['PyHessian 0.1' if name == 'PyHessian 0.1'
-                                                                     else 'ours']
+        ts = times['PyHessian 0.1' if name == 'PyHessian 0.1' else 'ours']
+        r.update(s_per_hvp=statistics.median(t[0] for t in ts), wall_per_hvp=statistics.median(t[1] for t in ts),
+                 best_s_per_hvp=min(t[0] for t in ts))
         hvps = r['hvps'] or f"> {r.get('ran', most)}"  # (PyHessian: the products of our power iteration)
         say(f"  compare | {name:16s} | {hvps} HVPs | {r['seconds'] or math.nan:.2f} s "
-            f"({r['cpu_seconds'] or math.nan:.2f} s CPU) to lambda_max within {reach:g} | per step "
+            f"({r['cpu_seconds'] or math.nan:.2f} s CPU) to its lambda within {reach:g} | per step "
             f"{r['s_per_step']:.3f} s CPU | per HVP {r['s_per_hvp']:.3f} s CPU, {r['wall_per_hvp']:.3f} s wall "
-            f"(median of {reps}; best {r['best_s_per_hvp']:.3f}) | lambda {r['lambda_max']:.8g} (reference {ref:.8g})")
+            f"(median of {reps}; best {r['best_s_per_hvp']:.3f}) | lambda {r['lambda_max']:.8g} (reference "
+            f"{r['reference']:.8g})")
+    if not near(ref_lm, ref):
+        say(f'  compare | power iteration and PyHessian converge to the largest-magnitude eigenvalue {ref_lm:.8g}, '
+            f"not to lambda_max {ref:.8g} (the largest algebraic, Lanczos's): their HVPs count to {ref_lm:.8g}")
     ratio = statistics.median([a[0] / b[0] for a, b in zip(times['ours'], times['PyHessian 0.1'])])  # paired
     say(f'  compare | per HVP, ours / PyHessian (CPU seconds of neighbouring timings): median ratio {ratio:.3f}')
-    return dict(reference=ref, reach=reach, rows=rows, images=len(x), reps=reps, threads=torch.get_num_threads(),
-                ours_over_pyhessian=ratio,
+    return dict(reference=ref, reference_magnitude=ref_lm, reach=reach, rows=rows, images=len(x), reps=reps,
+                threads=torch.get_num_threads(), ours_over_pyhessian=ratio,
                 clock='wall (CUDA)' if cuda else 'process_time: CPU seconds of every thread of this process')

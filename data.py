@@ -16,7 +16,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from torchvision.transforms import v2
 
 from augment import normalize
-from images import UNREADABLE, load_rgb, reread_reason, unreadable_reason
+from images import UNREADABLE, load_rgb, plain_jpeg, read_rgb, reread_reason
 from loader import seeded
 from utils import UserError, epoch_seed, one_line, score
 
@@ -28,11 +28,16 @@ MEAN = {'cifar10': (0.4914, 0.4822, 0.4465), 'cifar100': (0.5071, 0.4865, 0.4409
 STD = {'cifar10': (0.2471, 0.2435, 0.2616), 'cifar100': (0.2673, 0.2564, 0.2762)}
 
 
-def load_cifar(root, dataset, train, subset=0, classes=None, classes_flag=None):
+def load_cifar(root, dataset, train, subset=0, classes=None, classes_flag=None, subset_flag=None):
     """uint8 images (N, 3, 32, 32), int64 labels (N,): from an image folder root/{train,test}/<class>/*, else
     from torchvision's CIFAR folder in root (downloaded when absent). subset: the first subset/C per class.
-    classes: only these, relabelled 0..k-1 in this order. classes_flag: the caller's flag that picks them, if any."""
+    classes: only these, relabelled 0..k-1 in this order. classes_flag: the caller's flag that picks them, if any.
+    subset_flag: the caller's flag for subset, where every class needs an image (a classifier's data)."""
     root, num_classes, split = Path(root), NUM_CLASSES[dataset], 'train' if train else 'test'
+    k = len(classes) if classes else num_classes
+    if subset_flag and 0 < subset < k:  # (a class never trained on, or a test of some classes only)
+        raise UserError(f'{subset_flag} {subset} leaves {k - subset} of the {k} classes without an image (a class-'
+                        f'balanced subset takes subset/{k} of each): pass 0 (all) or {k} or more')
     if not ((root / 'train').is_dir() and (root / 'test').is_dir()):
         cls = {'cifar10': torchvision.datasets.CIFAR10, 'cifar100': torchvision.datasets.CIFAR100}[dataset]
         new = not root.exists()
@@ -63,10 +68,7 @@ def load_cifar(root, dataset, train, subset=0, classes=None, classes_flag=None):
     keep = balanced_subset(labels, subset, classes or num_classes)
     x = []
     for path, _ in (ds.samples[i] for i in keep):  # ~30 us per 32x32 image
-        try:
-            x.append(np.asarray(load_rgb(path)))  # PIL, as RGB
-        except UNREADABLE as e:  # unreadable, truncated, a broken PNG, a decompression bomb, 32-bit pixels
-            raise UserError(f'cannot decode {path}: {unreadable_reason(e)}')
+        x.append(np.asarray(read_rgb(path)))  # PIL, as RGB
         if x[-1].shape != (32, 32, 3):
             raise UserError(f'{path} is {x[-1].shape[1]}x{x[-1].shape[0]} px; CIFAR images are 32x32')
     return torch.from_numpy(np.stack(x)).permute(0, 3, 1, 2).contiguous(), relabel(labels[keep], classes)
@@ -112,11 +114,8 @@ def measurement_images(root, dataset, train, n, img_size, norm='jax', classes=No
             raise UserError(f'{folder} is not a folder; {LAYOUT}')
         ds = torchvision.datasets.ImageFolder(folder, eval_transform(img_size, crop_pct, interp, norm), loader=load_rgb)
         pick = torch.linspace(0, len(ds) - 1, min(n, len(ds))).long()  # only this process's images are read
-        try:
-            x, y = map(torch.stack, zip(*[(ds[i][0], torch.tensor(ds[i][1]))
-                                          for i in pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]]))
-        except UNREADABLE as e:
-            raise UserError(f'cannot decode an image of {folder}: {unreadable_reason(e)}')
+        x, y = map(torch.stack, zip(*[(ds.transform(read_rgb(ds.samples[i][0])), torch.tensor(ds.targets[i]))
+                                      for i in pick[len(pick) * rank // world:len(pick) * (rank + 1) // world]]))
         return x, y, (x - x.min()) / (x.max() - x.min()), len(pick)  # the network's input, for the figures
     u8, y = load_cifar(root, dataset, train, n, classes)
     part = slice(len(y) * rank // world, len(y) * (rank + 1) // world)
@@ -145,24 +144,32 @@ class ImageFolder(torchvision.datasets.ImageFolder):
     """torchvision's, with three changes. An index (i, seed) draws image i's augmentation from its own seed (loader.
     seeded; ResumableSampler gives one per image and epoch), whatever the worker, batch size or resume. An image PIL
     cannot decode comes back blank with label -1 - i (on_device() names the file: a worker's exception arrives inside
-    its traceback). decode='gpu': the workers read the file's bytes only (for loader.decode_batch)."""
+    its traceback). decode='gpu': the workers read the file's bytes and its header only (for loader.decode_batch)."""
 
     def __init__(self, root, split, transform, img_size, decode='cpu'):
         try:
             super().__init__(os.path.join(root, split), transform=transform, loader=load_rgb)
         except (FileNotFoundError, NotADirectoryError, RuntimeError) as e:  # none, a file, no class folders, empty
             raise UserError(f'--data {root}: {e}; {LAYOUT}') from None
+        if len(self.classes) < 2:  # one output: cross-entropy 0 from the first step, accuracy 100%, nothing learned
+            raise UserError(f'--data {root}: {split} holds 1 class folder ({self.classes[0]}); a classifier (or a '
+                            'probe) needs 2 or more')
         self.img_size, self.decode = img_size, decode
 
     def __getitem__(self, index):
         index, seed = index if isinstance(index, tuple) else (index, None)
-        if self.decode == 'gpu':  # (the file's bytes, label, the seed of its draws or -1, index): collate_bytes
-            return Path(self.samples[index][0]).read_bytes(), self.targets[index], -1 if seed is None else seed, index
-        try:
-            with seeded(seed):
-                return super().__getitem__(index)
+        if self.decode == 'gpu':  # (the file's bytes, label, the seed of its draws or -1, index, plain JPEG or not)
+            try:  # for loader.collate_bytes; a file PIL refuses from its header on (or unreadable): as below
+                data = Path(self.samples[index][0]).read_bytes()
+                return data, self.targets[index], -1 if seed is None else seed, index, plain_jpeg(data)
+            except UNREADABLE:
+                return b'', -1 - index, -1, index, False
+        try:  # only decoding: an error of the transform (e.g. an impossible resize) is not the file's
+            image = self.loader(self.samples[index][0])
         except UNREADABLE:  # PIL: cannot identify image file, image file is truncated, a decompression bomb, ...
             return torch.zeros(3, self.img_size, self.img_size, dtype=torch.uint8), -1 - index
+        with seeded(seed):
+            return self.transform(image), self.targets[index]
 
 
 class ResumableSampler(torch.utils.data.DistributedSampler):

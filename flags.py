@@ -7,13 +7,13 @@ import numbers
 
 from utils import UserError
 
-# The upper bounds of flags that mean the same in every script (check_ranges applies
-# them wherever the flag is checked): torch.manual_seed takes seeds below 2**64 (a sampler adds the epoch: 2**63
-# leaves room); probabilities and fractions are at most 1; RandAugment has 31 magnitude bins (0..30); an image side
-# above 1024 px is no experiment of this repo and would ask for gigabytes per batch (a CIFAR batch of 50 upsampled
-# to 2048 px is 2.5 GB).
+# The upper bounds of flags that mean the same in every script (check_ranges applies them wherever the flag is
+# checked): torch.manual_seed takes seeds below 2**64 (a sampler adds the epoch: 2**63 leaves room); probabilities
+# and fractions are at most 1; RandAugment has 31 magnitude bins (0..30); an image side above 1024 px is no
+# experiment of this repo and would ask for gigabytes per batch (a CIFAR batch of 50 upsampled to 2048 px is
+# 2.5 GB); an attack's radius and step in pixel levels /255 are at most the whole range (pgd.py refuses more).
 SHARED_AT_MOST = dict(seed=2 ** 63 - 1, img_size=1024, randaug_m=30, scale=1, crop_min=1, crop_pct=1, reprob=1,
-                      label_smoothing=1, moco_m=1)
+                      label_smoothing=1, moco_m=1, adv_eps=255, adv_alpha=255)
 SHARED_POSITIVE = {'img_size', 'crop_pct'}  # (crop_pct: a fraction; img_size / crop_pct is resized)
 
 

@@ -2,20 +2,16 @@
 trained from scratch sit in sharp minima, their NTK at init is badly conditioned, SAM flattens the minimum and
 sparsifies the first layers' neurons. One importable function per number (hessian_eigenvalue ntk_condition_number
 loss_landscape average_flatness active_neurons attention_maps attention_rollout attention_distance), one
-sub-command each; `table1` trains 6 small models, then measures them. In eval mode (BatchNorm running statistics,
+sub-command each; table1.py runs them on the models it trains. In eval mode (BatchNorm running statistics,
 no dropout / drop-path; as PyHessian and loss-landscape), batches weighted by size: the mean loss over all images;
 on the training scripts' device in fp32 (TF32 off); under torchrun the images are split over the processes."""
 import argparse
-import contextlib
 import itertools
-import json
 import math
 import os
-import subprocess
+import shlex
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
@@ -32,12 +28,10 @@ import figures
 import hessian
 import mixer
 import vit
-from augment import normalize
-from data import MEAN, STD, balanced_subset, evaluate, load_cifar
 from flags import check_ranges, check_shared_ranges
 from hessian import hessian_eigenvalue, hessian_spectrum  # noqa: F401 (importable from here, as before)
-from models import build_model, imagenet_only, load_model, load_weights, parse_model_kw, run_dataset, zero_head
-from runs import prepare_out, read_checkpoint, read_json, save_atomic, stored_args
+from models import imagenet_only, load_model, parse_model_kw, run_dataset, zero_head
+from runs import discard_new_dirs, prepare_out, save_atomic, stored_args
 from utils import (UserError, first_set, fit, fmt_time, free_memory, init_group, leave, one_line, progress_printer,
                    saved_bytes, setup)
 
@@ -46,17 +40,8 @@ PRECISION = 'fp32, TF32 off'
 SHARDED = ('hessian', 'landscape', 'flatness', 'neurons')  # split the images over torchrun's processes
 
 
-@contextlib.contextmanager
-def evaluating(model):  # model.eval() for the duration, then the old mode (the HVP, NTK pick the math attention)
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
-
-
-all_sum = hessian.all_sum  # t summed over torchrun's processes, in place (each holds a slice of the images), else t
+# model.eval() for the duration, then each module's own mode back; t summed over torchrun's processes (in place)
+evaluating, all_sum = hessian.eval_mode, hessian.all_sum
 
 
 @torch.no_grad()
@@ -174,17 +159,16 @@ def calibrate_batchnorm_(model, batches):
     """Every BatchNorm's running statistics set to those of `batches` (train-mode forwards, momentum=None): eval mode
     then normalises as training would (a fresh model's (0, 1) statistics make it the identity)."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    was_training, momenta = model.training, [bn.momentum for bn in bns]
-    model.eval()  # only the BatchNorms in train mode: no dropout or drop-path
-    for bn in bns:
-        bn.reset_running_stats()
-        bn.momentum = None
-        bn.train()
-    for x, *_ in batches:
-        model(x)
+    momenta = [bn.momentum for bn in bns]
+    with evaluating(model):  # only the BatchNorms in train mode (no dropout or drop-path); every mode back after
+        for bn in bns:
+            bn.reset_running_stats()
+            bn.momentum = None
+            bn.train()
+        for x, *_ in batches:
+            model(x)
     for bn, momentum in zip(bns, momenta):
         bn.momentum = momentum
-    model.train(was_training)
     return len(bns) > 0
 
 
@@ -380,12 +364,15 @@ N_DEFAULT = dict(hessian=2000, ntk=200, landscape=1000, flatness=1000, neurons=5
 
 
 def get_args(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if argv[:1] == ['table1']:  # (issue 43: the Table 1 runner is a script of its own)
+        raise UserError(f'table1 is a script of its own now: python table1.py {shlex.join(argv[1:])}')
     p = argparse.ArgumentParser(prog='geometry.py', description="Loss-geometry measurements of Chen, Hsieh & Gong "
-                                "(ICLR 2022) on any checkpoint of this repo, and `table1`, the paper's Table 1 in "
-                                'miniature on CIFAR-10.', formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                "(ICLR 2022) on any checkpoint of this repo (the paper's Table 1 in miniature: "
+                                'table1.py).', formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True, metavar='SUBCOMMAND')
     subs = {}
-    for name, help in [('hessian', 'dominant Hessian eigenvalue of the training loss (power iteration)'),
+    for name, help in [('hessian', 'largest (algebraic) Hessian eigenvalue of the training loss, Lanczos'),
                        ('ntk', 'condition number of the empirical NTK (at initialisation without --checkpoint)'),
                        ('landscape', 'loss along filter-normalised random directions (Li et al. 2018; Fig. 1)'),
                        ('flatness', 'average flatness E L(w + eps) - L(w), eps ~ N(0, sigma^2 I)'),
@@ -433,9 +420,9 @@ def get_args(argv=None):
     h.add_argument('--hvp', default='auto', choices=['auto', 'reverse', 'cached', 'forward'], help='hessian.'
                    "hvp_operator's mode; auto: cached for one batch, else reverse (README: measured)")
     h.add_argument('--compare', nargs='*', choices=['pyhessian', 'curvlinops', 'eigenthings'], metavar='LIBRARY',
-                   help='HVPs and seconds to lambda_max within 1e-4: Lanczos, power iteration, PyHessian 0.1; with '
-                   'LIBRARY names (pyhessian curvlinops eigenthings) each side by side (anchors.py); the first '
-                   "repeat's images as one batch")
+                   help='HVPs and seconds to lambda_max within 1e-4: Lanczos, power iteration and PyHessian 0.1 '
+                   '(these two converge to the largest-magnitude eigenvalue, which may be another); with LIBRARY '
+                   'names each side by side (anchors.py); the first repeat\'s images as one batch')
     subs['ntk'].add_argument('--reduce', default='trace', choices=['trace', 'sum', 'full'], help='trace: sum of '
                              'per-class kernels; sum: of the summed logits (TE-NAS, AsViT); full: (nC x nC)')
     subs['ntk'].add_argument('--chunk', type=int, default=0, help='images per Jacobian chunk; 0 = as many as fit the '
@@ -453,28 +440,12 @@ def get_args(argv=None):
         subs[name].add_argument('--noise-on-device', action='store_true', help="draw the random directions / noise "
                                 "with the device's generator (faster on a GPU; other numbers than the default CPU's)")
     subs['attention'].add_argument('--maps', type=int, default=8, help='images drawn with their maps')
-    t = sub.add_parser('table1', help="the paper's Table 1 in miniature: 6 small models on CIFAR-10, trained, measured",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    t.add_argument('--data', required=True, metavar='DIR', help='the CIFAR-10 copy (train_cifar.py --data)')
-    t.add_argument('--out', required=True, metavar='DIR', help='runs/<run>/, table1.md, table1.json, the figures')
-    t.add_argument('--preset', default='cpu', choices=sorted(PRESETS), help='cpu: the miniature; gpu: all 50,000 '
-                   'images, larger models, to a low training error (README)')
-    t.add_argument('--train-subset', type=int, default=0, help='class-balanced training images; 0 = the preset\'s')
-    t.add_argument('--epochs-scale', type=float, default=1.0, help="every run's epochs times this (at least 1)")
-    t.add_argument('--hessian-n', type=int, default=2000, help='training images for lambda_max (and active neurons)')
-    t.add_argument('--ntk-n', type=int, default=50, help='training images for kappa')
-    t.add_argument('--hessian-repeats', type=int, default=4, help='lambda_max and tr H on this many disjoint parts '
-                   'of the --hessian-n images (batches of 250), as mean +- std')
-    t.add_argument('--corruption-n', type=int, default=500, help='test images for robustness.py --benchmark corrupt '
-                   '(19 corruptions x 5 severities); 0 = leave the column out')
-    t.add_argument('--jobs', type=int, default=2, help='training runs at a time, one thread each')
     args = p.parse_args(argv)
     has = lambda *keys: [k for k in keys if hasattr(args, k)]  # noqa: E731  (each sub-command has some of them)
     sized = ['batch_size'] if args.command == 'hessian' else []  # (0: sized from the free memory)
-    check_ranges(args, has('images', 'iters', 'top_k', 'repeats', 'samples', 'maps', 'jobs', 'hessian_n', 'ntk_n',
-                           'hessian_repeats', 'span', 'epochs_scale', 'vectors_per_call', *{'batch_size'} - set(sized)),
-                 has('chunk', 'train_subset', 'tol', 'corruption_n', 'trace', 'density', 'bottom_k', *sized),
-                 dict(corruption_n=10_000))
+    check_ranges(args, has('images', 'iters', 'top_k', 'repeats', 'samples', 'maps', 'span', 'vectors_per_call',
+                           *{'batch_size'} - set(sized)),
+                 has('chunk', 'tol', 'trace', 'density', 'bottom_k', *sized), {})
     check_shared_ranges(args, 'img_size', 'seed')
     if getattr(args, 'steps', 3) < 3 or getattr(args, 'steps', 3) % 2 == 0 or not all(
             math.isfinite(v) and v >= 0 for v in getattr(args, 'sigma', [])):  # (an even grid has no point at 0)
@@ -482,8 +453,9 @@ def get_args(argv=None):
     least = dict(xtrace=4, hutchpp=6).get(getattr(args, 'trace_estimator', ''), 1)  # 2 test vectors / probes each
     if 0 < getattr(args, 'trace', 0) < least:
         raise UserError(f'--trace {args.trace}: --trace-estimator {args.trace_estimator} needs >= {least} products')
-    if os.path.isfile(args.out):
-        raise UserError(f'--out {args.out} is a file; pass a folder')
+    if getattr(args, 'repeats', 1) > args.images:  # H08: refused before any measurement, not at the first empty one
+        raise UserError(f'--repeats {args.repeats} needs --images >= {args.repeats} (an image each), got {args.images}')
+    args.flags = {k: v for k, v in vars(args).items() if k not in ('out', 'overwrite')}  # as asked, into the JSON
     return args
 
 
@@ -530,28 +502,32 @@ def main(argv=None):
     if proc.ddp and args.command not in SHARDED:
         raise UserError(f'{args.command} runs in one process (python geometry.py {args.command} ...); under '
                         f'torchrun only {", ".join(SHARDED)} split their images')
-    if args.command == 'table1':
-        return table1(args, proc)
+    if getattr(args, 'compare', None) is not None:  # H26: checked before any measurement, not after it
+        anchors.require(*args.compare or ['pyhessian'], world=proc.world)
     if proc.world > args.images:
         raise UserError(f'--images {args.images} < {proc.world} processes: give each process an image at least')
     path = os.path.join(args.out, f'{args.command}.json')
     if os.path.exists(path) and not args.overwrite:
         raise UserError(f'--out {args.out} already holds {args.command}.json; pick another --out or pass --overwrite')
-    prepare_out(argparse.Namespace(out=args.out, overwrite=True, resume=None), lock=False)  # writable, now
     model, info = get_model(args)
     if args.command == 'attention' and getattr(model, 'num_prefix_tokens', 0) != 1:
         raise UserError(f'attention reads a ViT\'s class token; {args.model} is a {type(model).__name__} without one')
-    # a MoCo backbone: its loss is log(C) flat, its NTK only the head's rows (the Gram of its features); attention
-    # and neurons do not use the classifier
+    # a MoCo backbone's zero head: a flat loss log(C), an NTK of the head's rows only; attention, neurons do not use it
     loss = args.command in ('hessian', 'landscape', 'flatness') or args.command == 'ntk' and not args.keep_zero_head
     if (zero := bool(args.checkpoint) and zero_head(model)) and loss:
         raise UserError(f'{args.checkpoint} has an all-zero classifier: fine-tune it first (train_cifar.py '
                         '--pretrained)' + ', or pass --keep-zero-head to measure the collapsed kernel' * (
                             args.command == 'ntk'))
+    k = min(getattr(args, 'top_k', 1), sum(p.numel() for p in model.parameters() if p.requires_grad))  # H03, H07
+    if args.command == 'hessian' and args.iters < k:  # (Lanczos: an eigenvalue a product, as many as parameters)
+        raise UserError(f'--top-k {args.top_k} needs --iters >= {k}' + f' (the {k} eigenvalues of its {k} parameters:'
+                        ' all there are)' * (k < args.top_k))
+    # writable, and locked (rank 0) as the training scripts lock theirs: a second run into this --out is refused
+    prepare_out(argparse.Namespace(out=args.out, overwrite=True, resume=None), lock=proc.master)
     # the official zero head is drawn on the CPU, before the move: the same draw on every device
     drawn = args.command == 'ntk' and not (args.checkpoint or args.keep_zero_head) and draw_zero_head_(model, args.seed)
     init_group(proc)
-    info['head_zero'] = zero
+    info.update(head_zero=zero, flags=args.flags)
     try:
         measure(args, proc, model.to(proc.device), info, path, drawn)
     finally:
@@ -571,28 +547,33 @@ def mean_std(reps):  # {k_mean, k_std} over repeats (std with n - 1) of lambda_m
 def measure_hessian(args, proc, model, loads, n, size, log):
     """hessian's JSON: per repeat (its images; probes from --seed + j) the spectrum of the whole Hessian and of each
     block (--blocks); with --repeats > 1 the repeats under `repeats` and the mean and std over them."""
-    if args.compare is not None and proc.world > 1:
-        raise UserError('--compare runs in one process (the other libraries cannot split the images)')
     blocks, reps = [('all', None), *(param_blocks(model).items() if args.blocks else [])], []
+    count = {name: sum(p.numel() for p in (model.parameters() if ps is None else ps) if p.requires_grad)
+             for name, ps in blocks}  # H07: a block has as many eigenvalues as parameters, no more
+    top_k = min(args.top_k, count['all'])
+    if capped := [f'{name} ({count[name]:,})' for name, _ in blocks if count[name] < args.top_k]:
+        proc.log(f'  --top-k {args.top_k} is more than the parameters of {", ".join(capped)}: all their eigenvalues')
     for j, (x, y) in enumerate(loads):
         batches = [(xb.to(proc.device), yb.to(proc.device)) for xb, yb in zip(x.split(size), y.split(size))]
         hvp = ('cached' if len(batches) == 1 else 'reverse') if args.hvp == 'auto' else args.hvp
         rep = dict(images=len(range(j, n, len(loads))), seed=args.seed + j, hvp=hvp)  # images j, j + R, ... of n
         for name, params in blocks:
-            r = hessian_spectrum(model, F.cross_entropy, batches, params, args.top_k, args.iters, args.tol, args.trace,
-                                 args.density, args.seed + j, hvp, bottom_k=args.bottom_k, curvature=args.curvature,
-                                 vectors=args.save_vectors and name == 'all' and j == 0, batch=args.vectors_per_call,
-                                 trace_estimator=args.trace_estimator, progress=log)
+            try:  # (a checkpoint whose loss is not finite, say)
+                r = hessian_spectrum(model, F.cross_entropy, batches, params, min(top_k, count[name]), args.iters,
+                                     args.tol, args.trace, args.density, args.seed + j, hvp, bottom_k=args.bottom_k,
+                                     curvature=args.curvature, vectors=args.save_vectors and name == 'all' and j == 0,
+                                     batch=args.vectors_per_call, trace_estimator=args.trace_estimator, progress=log)
+            except ValueError as e:  # hessian.py's arguments are checked here: what it refuses is in the model or data
+                raise UserError(f'hessian ({name}): {e}')
             vectors = {k: r.pop(k).float().cpu() for k in ('vectors', 'bottom_vectors') if k in r}  # (unit rows)
             if vectors and proc.master:  # the first repeat's, for landscape --directions
                 save_atomic(os.path.join(args.out, 'hessian_vectors.pt'), dict(
                     vectors, names=[k for k, p in model.named_parameters() if p.requires_grad],
                     curvature=args.curvature, eigenvalues=r['eigenvalues'],
                     bottom_eigenvalues=r.get('bottom_eigenvalues')))
-            # M03 (issue 34): a value that --iters ended before its residual reached --tol |lambda| says so
-            r['converged'] = all(e <= args.tol * abs(v) for e, v in zip(
-                r['residuals'] + r.get('bottom_residuals', []), r['eigenvalues'] + r.get('bottom_eigenvalues', [])))
             rep.update(r) if name == 'all' else rep.setdefault('blocks', {}).update({name: r})
+            # M03 (issue 34): a value --iters ended before its residual reached --tol |lambda| says so (converged: the
+            # residual rule, or all count[name] products: then Lanczos is exact and more --iters cannot help)
             proc.log(f"  repeat {j + 1}/{len(loads)} | {name:24s} lambda_max {r['lambda_max']:.6g} ({r['products']} "
                      'HVPs)' + (f" | lambda_min {r['lambda_min']:.6g}, |lambda_min| / lambda_max "
                                 f"{r['lambda_min_over_max']:.3g}" if args.bottom_k else '')
@@ -615,11 +596,12 @@ def measure_hessian(args, proc, model, loads, n, size, log):
                           if args.compare else anchors.to_lambda_max(model, *xy, args.seed, proc.log, args.iters))
     stopped = sorted({name for r in reps for name, b in [('all', r), *r.get('blocks', {}).items()]
                       if not b['converged']})
-    return dict(out, top_k=args.top_k, iters=args.iters, tol=args.tol, note=f'{args.curvature}: eigenvalues: the '
-                '--top-k largest algebraic (Lanczos, full reorthogonalisation; lambda_max the first), bottom_: the '
-                f'--bottom-k smallest; trace: {args.trace_estimator}, trace_se its standard error; density: SLQ nodes '
-                'and weights; repeats: disjoint image subsets'
-                + f'; NOT converged ({", ".join(stopped)}): --iters came before --tol' * bool(stopped))
+    return dict(out, top_k=top_k, iters=args.iters, tol=args.tol, note=f'{args.curvature}: eigenvalues: the '
+                '--top-k largest algebraic (Lanczos, full reorthogonalisation; lambda_max the first)' + f' (--top-k '
+                f'{args.top_k}: all there are)' * (top_k < args.top_k) + '; bottom_: the --bottom-k smallest; trace: '
+                f'{args.trace_estimator}, trace_se its standard error; density: SLQ nodes and weights; repeats: '
+                'disjoint image subsets' + f'; NOT converged ({", ".join(stopped)}): --iters came before --tol'
+                * bool(stopped))
 
 
 def measure(args, proc, model, info, path, drawn):
@@ -630,8 +612,15 @@ def measure(args, proc, model, info, path, drawn):
                                              args.norm, args.classes, *(proc.rank, proc.world) * (parts == 1),
                                              crop_pct=args.crop_pct, interp=args.interp)
     mine = lambda t: t[len(t) * proc.rank // proc.world:len(t) * (proc.rank + 1) // proc.world]  # noqa: E731
-    # repeat j: images j, j + R, ... (the classes interleaved: the images are in class order), this process's part
-    loads = [(x, y)] if parts == 1 else [(mine(x[j::parts]), mine(y[j::parts])) for j in range(parts)]
+    if parts > n:  # (H08; an ImageNet folder may hold fewer images than --images)
+        raise UserError(f'--repeats {parts} needs --images >= {parts} (an image each); --data holds {n}')
+    if parts > 1:  # H11: repeat j takes images j, j + R, ... in class order, so each class's images are spread evenly
+        order = y.argsort(stable=True)  # over the repeats: alike in every repeat when its count divides by R
+        x, y, counts = x[order], y[order], y.bincount()
+        if (uneven := int((counts % parts).count_nonzero())):
+            info['repeats_note'] = (f'not class-balanced: {uneven} classes have an image count that does not divide '
+                                    f'by --repeats {parts}: the repeats differ in their classes, and so does their std')
+    loads = [(x, y)] if parts == 1 else [(mine(x[j::parts]), mine(y[j::parts])) for j in range(parts)]  # this process's
     if not size:  # hessian: each image's two graphs (x 2: the second backward's temporaries) beside the Lanczos basis
         grad = lambda xs: torch.autograd.grad(F.cross_entropy(model(xs), y[:len(xs)].to(proc.device)),  # noqa: E731
                                               [p for p in model.parameters() if p.requires_grad], create_graph=True)
@@ -644,10 +633,13 @@ def measure(args, proc, model, info, path, drawn):
                if args.command != 'hessian']  # (hessian: per repeat, measure_hessian)
     x = x.to(proc.device) if args.command in ('ntk', 'attention') else None
     info.update(split=args.split, n=n, device=str(proc.device), processes=proc.world, precision=PRECISION)
-    os.makedirs(args.out, exist_ok=True)
     say(f"geometry.py {args.command} | {args.model} ({args.checkpoint or f'init, seed {args.seed}'}) | {n:,} "
-        f'{args.split} images | {proc.device} x {proc.world} | {PRECISION} | {EVAL_NOTE}')
+        f'{args.split} images | {proc.device} x {proc.world} | {PRECISION} | {EVAL_NOTE}'
+        + (f"\n  repeats: {info['repeats_note']}" if 'repeats_note' in info else ''))
     start, log = time.time(), progress_printer(args.command) if proc.master else None
+    noise = proc.device if getattr(args, 'noise_on_device', False) else torch.device('cpu')  # (on a GPU its numbers
+    if args.command in ('landscape', 'flatness'):  # are not the CPU's: the JSON names the generator that drew them)
+        info['noise_generator'] = f'torch.Generator({str(noise)!r}) seeded with --seed {args.seed}'
     if args.command == 'hessian':
         with evaluating(model):  # (eval mode, as PyHessian)
             info.update(measure_hessian(args, proc, model, loads, n, size, log), batch_size=size)
@@ -664,7 +656,7 @@ def measure(args, proc, model, info, path, drawn):
     elif args.command == 'landscape':
         dirs = hessian_directions(model, args.directions, args.dims) if args.directions else None
         coords, losses = loss_landscape(model, F.cross_entropy, batches, args.dims, args.steps, args.span, args.seed,
-                                        proc.device if args.noise_on_device else 'cpu', dirs, progress=log)
+                                        noise, dirs, progress=log)
         info.update(dims=args.dims, coords=coords.tolist(), loss=losses.tolist(), directions=args.directions,
                     note=f'the top {args.dims} eigenvectors of {args.directions} (unit vectors)' if dirs else
                     "filter-normalised Gaussian directions (Li et al. 2018), 1-D parameters not moved "
@@ -675,8 +667,8 @@ def measure(args, proc, model, info, path, drawn):
     elif args.command == 'flatness':
         info['results'] = []
         for sigma in args.sigma:
-            flat = average_flatness(model, F.cross_entropy, batches, sigma, args.samples, args.seed,
-                                    proc.device if args.noise_on_device else 'cpu', progress=log)
+            flat = average_flatness(model, F.cross_entropy, batches, sigma, args.samples, args.seed, noise,
+                                    progress=log)
             info['results'].append(dict(sigma=sigma, flatness=flat))
             say(f'  sigma {sigma:g}: E L(w + eps) - L(w) = {flat:.5g} ({args.samples} draws)')
     elif args.command == 'neurons':
@@ -696,215 +688,11 @@ def measure(args, proc, model, info, path, drawn):
     say(f'  wrote {path} ({fmt_time(time.time() - start)} wall)')
 
 
-# ============================================================================= Table 1 in miniature
-# The paper's Table 1: ResNet-152, ViT-B/16, Mixer-B/16, with and without SAM, on ImageNet. The CPU preset: three
-# families of 0.27-0.33M parameters, 10,000 CIFAR-10 images, crop + flip (--aug basic, the paper's), AdamW and SAM
-# on the same epochs, <= 45 min on 2 CPU cores (38 measured). Deviation: no model reaches a low training error there.
-# ViT/Mixer: 16 tokens of 8 px (4 px cost ~3x per image, fitted no faster in a pilot); resnet20 with a stride-2 stem
-# (4x cheaper, as ResNet-152's stem downsamples 4x: 15 epochs where the original would get 4). rho: not tuned.
-TABLE1 = {  # family: (model, model_kw, epochs, peak lr, rho)
-    'resnet20': ('resnet20', ['stem_stride=2'], 15, 4e-3, 0.05),
-    'vit': ('vit_s4_cifar', ['patch_size=8', 'dim=80', 'depth=4', 'heads=4'], 22, 2e-3, 0.1),
-    'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=96', 'depth=4', 'tokens_mlp_dim=48', 'channels_mlp_dim=384'],
-              22, 2e-3, 0.1),
-}
-# --preset gpu: 50,000 images, models that can fit them (resnet20 as He et al.; ViT, Mixer on 64 tokens of 4 px), batch
-# 512, long enough (estimated, README) for a train error <= LOW_ERROR % (eval mode, no augmentation); table1.md says.
-TABLE1_GPU = {'resnet20': ('resnet20', [], 60, 8e-3, 0.05), 'vit': ('vit_s4_cifar', ['dim=128', 'depth=6', 'heads=4'],
-                                                                    80, 2e-3, 0.1),
-              'mixer': ('mixer_s4_cifar', ['dim=128', 'depth=6', 'tokens_mlp_dim=64', 'channels_mlp_dim=512'], 80,
-                        2e-3, 0.1)}
-PRESETS = dict(cpu=dict(table=TABLE1, train_subset=10_000, batch_size=128),
-               gpu=dict(table=TABLE1_GPU, train_subset=50_000, batch_size=512))
-LOW_ERROR = 5.0
-TABLE1_TRACE = 10  # Hutchinson probes per repeat (the std over repeats, not these probes' s.e., is the error bar)
-# fp32 training (TF32 matmuls on a GPU, as train_cifar sets them), never bf16: the README's table is fp32
-TRAIN_FLAGS = dict(aug='basic', wd=0.05, seed=0, test_subset=1000, log_every=0, amp='off')
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def script(name, argv, log_path):
-    """`python NAME ARGV` as a user runs it (one OpenMP thread), output appended to log_path; failure: UserError."""
-    cmd = [sys.executable, os.path.join(HERE, name), *map(str, argv)]
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, 'a') as log:
-        log.write(f'$ {" ".join(cmd[1:])}\n')
-        log.flush()
-        r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    if r.returncode:
-        raise UserError(f'{name} failed (exit {r.returncode}); see {log_path}')
-
-
-def finished(args, run, want):
-    """Whether OUT/runs/RUN holds this run, finished; a folder of another run (or a damaged one) is refused."""
-    folder = os.path.join(args.out, 'runs', run)
-    if not os.path.exists(os.path.join(folder, 'args.json')):
-        return False
-    have = read_json(os.path.join(folder, 'args.json'), 'move the run away')
-    # log_every changes the console only (runs of table1 before issue 34 stored train_cifar's default, 50)
-    if differ := [k for k, v in want.items() if k != 'log_every' and have.get(k) != v]:
-        raise UserError(f'{folder} holds another run ({", ".join(differ)} differ); move it away or pick another --out')
-    return read_checkpoint(os.path.join(folder, 'last.pt'), 'table1 run').get('epoch', 0) >= want['epochs']
-
-
-def train_run(args, run, want):
-    """train_cifar.py into OUT/runs/RUN (log OUT/logs/RUN.log); a finished run reused, another run's refused."""
-    folder = os.path.join(args.out, 'runs', run)
-    last, log = os.path.join(folder, 'last.pt'), os.path.join(args.out, 'logs', f'{run}.log')
-    if finished(args, run, want):
-        return print(f'  {run}: finished run in {folder}, reused', flush=True)
-    argv = ['--data', args.data, *train_flags(want), *(['--resume', last] if os.path.exists(last) else
-                                                        ['--out', folder])]
-    print(f'  {run}: train_cifar.py {" ".join(map(str, argv))}', flush=True)
-    script('train_cifar.py', argv, log)
-    with open(log) as f:
-        print(f'  {run}: {[line for line in f if line.startswith("done")][-1].strip()}', flush=True)
-
-
-def train_flags(want):  # train_cifar.py's command line for the flags in `want` (as its args.json writes them)
-    flag = lambda k: '--' + k.replace('_', '-')  # noqa: E731  (a bool by its type: 0 == False, yet --seed 0 is a value)
-    return [a for k, v in want.items() for a in ([flag(k)] * v if isinstance(v, bool) else [] if v == [] else
-                                                [flag(k), *v] if isinstance(v, list) else [flag(k), v])]
-
-
-LOCK = threading.Lock()
-
-
-def measure_run(args, run, family, d, log):
-    """train_run, then measure on the device into OUT/runs/RUN/geometry.json; a rerun adds only what is missing."""
-    train_run(args, run, d['runs'][run])
-    with LOCK:  # one measurement at a time: the HVP's attention kernel (sdpa_kernel) is a process-wide choice
-        folder = os.path.join(args.out, 'runs', run)
-        path = os.path.join(folder, 'geometry.json')
-        m = read_json(path, 'delete it (it is measured again)') if os.path.exists(path) else {}
-        model = build_model(args.table[family][0], 10, 32, parse_model_kw(args.table[family][1]), cifar=True)
-        load_weights(model, os.path.join(folder, 'last.pt'))
-        model.to(d['device'])
-        if 'lambda_max_std' not in m:  # Lanczos to PyHessian's tol (<= 20 HVPs), Hutchinson's tr H, --hessian-repeats
-            hx, hy, r = (*(torch.cat(t) for t in zip(*d['hessian'])), args.hessian_repeats)  # disjoint, classes mixed
-            parts = [list(zip(hx[j::r].split(250), hy[j::r].split(250))) for j in range(r)]
-            with evaluating(model):
-                reps = [hessian_spectrum(model, F.cross_entropy, b, None, 1, 20, 1e-3, TABLE1_TRACE, 0, j, progress=log)
-                        for j, b in enumerate(parts)]
-            s = mean_std(reps)
-            m.update(lambda_max=s['lambda_max_mean'], lambda_max_std=s['lambda_max_std'], trace=s['trace_mean'],
-                     trace_std=s['trace_std'], hessian_repeats=reps)
-        if 'test_acc' not in m:  # eval mode, no augmentation; the whole training subset and test set
-            m['train_error'] = 100 - evaluate(model, d['train_u8'], d['train_y'], *d['stats'], 500)['top1']
-            m['test_acc'] = evaluate(model, d['test_u8'], d['test_y'], *d['stats'], 500)['top1']
-            m['active'] = active_neurons(model, d['hessian'])
-        if family == 'vit' and 'landscape' not in m:  # the same directions seed for both ViTs
-            coords, losses = loss_landscape(model, F.cross_entropy, d['hessian'][:2], 2, 11, 1.0, progress=log)  # 500
-            m.update(landscape=dict(coords=coords.tolist(), loss=losses.tolist()),
-                     attention_distance_px=attention_distance(model, d['attention']).tolist())
-        if args.corruption_n and m.get('corruption_n') != args.corruption_n:  # robustness.py on the same test images
-            rob = os.path.join(folder, 'robustness')
-            script('robustness.py', ['--benchmark', 'corrupt', '--data', args.data, '--subset', args.corruption_n,
-                                     '--checkpoint', os.path.join(folder, 'last.pt'), '--seed', 0, '--workers', 0,
-                                     '--eval-batch-size', 500, '--no-plot', '--overwrite', '--out', rob,  # (under LOCK:
-                                     '--cache', os.path.join(args.out, f'cifar10c-{args.corruption_n}')],  # one writer)
-                   os.path.join(args.out, 'logs', f'{run}.log'))
-            with open(os.path.join(rob, 'results.json')) as f:
-                r = json.load(f)
-            m.update(corruption_n=args.corruption_n, corruption_acc=r['mean_acc'], corruption_gap=r['gap'],
-                     corruption_note=r['note'])  # gap: clean accuracy on the same images minus corruption_acc
-        write_json(path, m)
-        print(f"  {run}: lambda_max {m['lambda_max']:.4g} | train error {m['train_error']:.2f}% | test acc "
-              f"{m['test_acc']:.2f}%", flush=True)
-        return m
-
-
-def table1(args, proc):
-    t0, preset = time.time(), PRESETS[args.preset]  # (a preset's train_subset: when --train-subset is 0)
-    if os.path.exists(os.path.join(args.out, 'table1.json')):
-        raise UserError(f'--out {args.out} already holds table1.json; move it away (OUT/runs/* are reused)')
-    args.table, args.train_subset = preset['table'], args.train_subset or preset['train_subset']
-    if max(args.hessian_n, args.ntk_n) > args.train_subset:
-        raise UserError('--hessian-n and --ntk-n are images of the --train-subset: pick them <= it')
-    if args.hessian_repeats > args.hessian_n:
-        raise UserError(f'--hessian-repeats {args.hessian_repeats} > --hessian-n {args.hessian_n}: an image per part')
-    runs = {f'{f}_{opt}': dict(model=m, model_kw=kw, epochs=max(1, round(ep * args.epochs_scale)), lr=lr,
-                               train_subset=args.train_subset, batch_size=preset['batch_size'], **TRAIN_FLAGS,
-                               sam=opt == 'sam', **(dict(rho=rho) if opt == 'sam' else {}))
-            for opt in ('sam', 'adamw') for f, (m, kw, ep, lr, rho) in args.table.items()}  # longer SAM runs first
-    for run, want in runs.items():  # every run folder checked now, not after hours of the others' training
-        finished(args, run, want)
-    print(f'geometry.py table1 --preset {args.preset} | {len(runs)} runs on {args.train_subset:,} CIFAR-10 training '
-          f'images, trained in fp32 | measured on {proc.device}, {PRECISION} | {EVAL_NOTE}')
-    dev, (train_u8, train_y), (test_u8, test_y) = proc.device, *(load_cifar(args.data, 'cifar10', t, k)
-                                                                   for t, k in ((True, args.train_subset), (False, 0)))
-    h, a, k = (balanced_subset(y, n, 10) for y, n in ((train_y, args.hessian_n), (test_y, 128), (train_y, args.ntk_n)))
-    if (test_y.bincount(minlength=10) < (need := max(TRAIN_FLAGS['test_subset'], args.corruption_n) // 10)).any():
-        raise UserError(f'{args.data}: table1 tests on {need} images of each class; some class has fewer')
-    steps, few = args.train_subset // preset['batch_size'], min(max(1, round(ep * args.epochs_scale))
-                                                                 for _, _, ep, *_ in preset['table'].values())
-    if steps * few < 2:  # train_cifar drops the last partial batch; one step of a one-cycle schedule is no training
-        raise UserError(f'--train-subset {args.train_subset} and --epochs-scale {args.epochs_scale:g} give a run '
-                        f'{few} epoch(s) of {steps} step(s) of the preset\'s batch {preset["batch_size"]}: raise them '
-                        f'to 2 steps at least (--train-subset {math.ceil(2 / few) * preset["batch_size"]})')
-    train_u8, train_y, test_u8, test_y = (t.to(dev) for t in (train_u8, train_y, test_u8, test_y))  # (all, on a GPU)
-    stats = [torch.tensor(v, device=dev).view(1, 3, 1, 1) for v in (MEAN['cifar10'], STD['cifar10'])]
-    d = dict(runs=runs, train_u8=train_u8, train_y=train_y, test_u8=test_u8, test_y=test_y, stats=stats, device=dev,
-             hessian=list(zip(normalize(train_u8[h], *stats).split(250), train_y[h].split(250))),
-             attention=normalize(test_u8[a], *stats))
-    log = progress_printer('table1', every=30)
-
-    # --- 1. NTK kappa at initialisation, the runs' initial weights (train_cifar seeds with --seed 0, then builds);
-    # the official zero head drawn like the other dense layers, BatchNorm statistics of these images
-    ntk_x, init = normalize(train_u8[k], *stats), {}
-    for family, (name, kw, *_) in args.table.items():
-        torch.manual_seed(0)
-        model = build_model(name, 10, 32, parse_model_kw(kw), cifar=True)
-        init[family] = dict(params=sum(p.numel() for p in model.parameters()), head_drawn=draw_zero_head_(model))
-        init[family]['bn_calibrated'] = calibrate_batchnorm_(model.to(dev), [(ntk_x,)])
-        for red in ('trace', 'sum'):
-            init[family][f'kappa_{red}'] = ntk_condition_number(model, ntk_x, red, progress=log)[0]
-            print(f"  {family} at init: kappa ({red}) {init[family][f'kappa_{red}']:.4g}", flush=True)
-
-    # --- 2. train (train_cifar.py subprocesses, one thread each) and measure, --jobs runs at a time
-    threads, todo = torch.get_num_threads(), [(run, run.rsplit('_', 1)[0]) for run in runs]
-    torch.set_num_threads(1)  # each worker thread computes on one core, beside its neighbour's training
-    with ThreadPoolExecutor(args.jobs) as pool:
-        measured = dict(zip(runs, pool.map(lambda r: measure_run(args, *r, d, log), todo)))
-    torch.set_num_threads(threads)  # (an importer's setting: table1 may be called in-process)
-    rows = []
-    for f, run in ((f, f'{f}_{opt}') for f in args.table for opt in ('adamw', 'sam')):
-        m = measured[run]
-        sites = [k for k in m['active'] if not k.endswith('mlp_tokens')]  # Mixer: its channel MLPs
-        rows.append(dict(run=run, family=f, sam=run.endswith('sam'), **init[f], **m, active_first=m['active'][sites[0]],
-                         active_last=m['active'][sites[-1]]))
-    # --- 3. figures (ViT with and without SAM) and the table
-    vits = [(t, next(r for r in rows if r['run'] == run)) for t, run in (('ViT', 'vit_adamw'), ('ViT+SAM', 'vit_sam'))]
-    figures.save_figure(figures.surfaces([(t, *(torch.tensor(r['landscape'][k]) for k in ('coords', 'loss')))
-                                          for t, r in vits]), os.path.join(args.out, 'landscape_vit.png'))
-    figures.save_figure(figures.attention_distances([(t, torch.tensor(r['attention_distance_px'])) for t, r in vits],
-                                                    32), os.path.join(args.out, 'attention_distance_vit.png'))
-    corrupt = any('corruption_acc' in r for r in rows)
-    lines = ['| model | params | NTK kappa (trace) | NTK kappa (sum) | Hessian lambda_max | tr H | train error % | '
-             'test acc % | active first % | active last %' + ' | corrupted acc % | gap (pts)' * corrupt + ' |',
-             '|---' * (10 + 2 * corrupt) + '|'] + [
-        f"| {r['family']}{' + SAM' * r['sam']} | {r['params']:,} | {r['kappa_trace']:.4g} | {r['kappa_sum']:.4g} | "
-        f"{r['lambda_max']:.4g} +- {r['lambda_max_std']:.2g} | {r['trace']:.4g} +- {r['trace_std']:.2g} | "
-        f"{r['train_error']:.2f} | {r['test_acc']:.2f} | {100 * r['active_first']:.1f} | "
-        f"{100 * r['active_last']:.1f} |" + (f" {r.get('corruption_acc', math.nan):.2f} | "
-                                              f"{r.get('corruption_gap', math.nan):.1f} |") * corrupt for r in rows]
-    lines.append(f'\nlambda_max, tr H: mean +- std over {args.hessian_repeats} disjoint parts of the {args.hessian_n} '
-                 'images (Lanczos; Hutchinson, 10 probes each)')
-    wall = time.time() - t0
-    high = [f"{r['run']} {r['train_error']:.1f}%" for r in rows if r['train_error'] > LOW_ERROR]
-    md = '\n'.join(lines) + (f'\n\ntraining error above {LOW_ERROR:g}%: ' + ', '.join(high) if high else '') + \
-        f'\n\nwall {fmt_time(wall)} | --preset {args.preset} | trained in fp32 | measured {PRECISION}\n'
-    write_json(os.path.join(args.out, 'table1.json'), dict(rows=rows, wall_s=wall, args=vars(args),
-                                                          train_flags=TRAIN_FLAGS))
-    with open(os.path.join(args.out, 'table1.md'), 'w') as f:
-        f.write(md)
-    print(md + f'done | table1 | {fmt_time(wall)} wall | {os.path.join(args.out, "table1.md")}')
-
-
 if __name__ == '__main__':
     try:
         main()
     except UserError as e:
-        sys.exit(f'geometry.py: error: {e}')
-    except KeyboardInterrupt:  # the JSON of a finished measurement is written; table1 reuses its finished runs
-        sys.exit(print('geometry.py: interrupted; nothing of this measurement was written', file=sys.stderr) or 130)
+        sys.exit(discard_new_dirs() or f'geometry.py: error: {e}')  # (and no empty --out left behind)
+    except KeyboardInterrupt:  # the JSON of a finished measurement is written (table1.py reuses it)
+        sys.exit(print(discard_new_dirs() or 'geometry.py: interrupted; nothing of this measurement was written',
+                       file=sys.stderr) or 130)

@@ -14,9 +14,12 @@
 Every vector is a flat float64 tensor of the (block's) parameters, in model.parameters() order, on their device
 (k of them: the rows of a (k, P) tensor); the products run in the parameters' dtype and are accumulated in
 float64. The algorithms work on any symmetric `matvec` (a function of one flat vector), so each is testable
-against an explicit matrix; scipy takes one as a LinearOperator in three lines (docs/geometry.md)."""
+against an explicit matrix; scipy takes one as a LinearOperator in three lines (docs/geometry.md). Every public
+function checks its arguments: a mistake is a ValueError / TypeError naming it, never a number computed from nothing."""
+import contextlib
 import functools
 import math
+import numbers
 import time
 
 import torch
@@ -30,11 +33,16 @@ def all_sum(t):  # t summed over torchrun's processes, in place (each holds a sl
 
 
 # ----------------------------------------------------------------------------- H v
+HVP_MODES = ('reverse', 'cached', 'forward')
+
+
 def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
-    """-> (matvec, P): matvec(v) = H v for the Hessian of the mean loss over every image of `batches` (a list of
-    (x, y); loss_fn(model(x), y) a batch mean, each batch weighted by its size; under torchrun over every process's
-    images) with respect to `params` (default: every trainable parameter; a subset gives that diagonal block), P
-    their number of entries. The model is used as it is: call it in eval mode (as PyHessian does).
+    """-> (matvec, P): matvec(v) = H v for the Hessian of the mean loss over every image of `batches` (an iterable of
+    (x, y), read once; loss_fn(model(x), y) a batch mean, each batch weighted by its size; under torchrun over every
+    process's images) with respect to `params` (default: every trainable parameter; a subset gives that diagonal
+    block), P their number of entries. Measured in eval mode (eval_mode: the model and its buffers left as they were).
+    Refused up front (one forward over the images and a backward of the first batch; 'cached': while it builds its
+    graphs): no images (on any process), a loss that is not finite, a loss that uses none of params (a Hessian of 0).
     mode 'reverse': H v = d/dw <grad L(w), v>, a forward, a backward with create_graph and its backward per batch
         and product; memory: one batch's graph and its gradient's graph.
     mode 'cached': the gradient graphs of every batch built once and kept (PyHessian's single-batch path): each
@@ -43,14 +51,40 @@ def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
     mode 'forward': forward-over-reverse, torch.func.jvp of torch.func.grad (the JAX way): exact as well, as many
         FLOPs as 'reverse' and not faster on CPU (README, measured).
     The fused attention kernels have no double backward: the math kernel is used inside (sdpa_kernel)."""
-    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
-    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64,
-                             device=params[0].device)).item()
-    if mode == 'cached':
-        with sdpa_kernel(SDPBackend.MATH):
-            cached = [torch.autograd.grad(loss_fn(model(x), y) * (len(x) / n), params, create_graph=True,
-                                          allow_unused=True) for x, y in batches]
-    elif mode == 'forward':
+    if mode not in HVP_MODES:
+        raise ValueError(f"mode must be 'reverse', 'cached' or 'forward', got {mode!r}")
+    params = trainable(model, params)
+    if not callable(loss_fn):
+        raise TypeError(f'loss_fn must be a function loss_fn(model(x), y), got {type(loss_fn).__name__}')
+    batches = list(batches)  # (a generator or a DataLoader: read once, used for every product)
+    if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
+        raise TypeError('batches must be an iterable of (x, y) pairs')
+    batches = [(x, y) for x, y in batches if len(x)]  # (an empty batch weighs 0: its mean loss would be nan)
+    dev = params[0].device
+    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64, device=dev)).item()
+    if not n:  # (n, and each count below, summed over the processes: every process raises alike)
+        raise ValueError('no images in batches' + ' of any process' * (dist.is_available() and dist.is_initialized()))
+    # The checks: each batch's loss (cached: with the gradient graphs it keeps; else no grad but the first batch's)
+    seen, cached = torch.zeros(2, dtype=torch.float64, device=dev), []  # non-finite losses, params the loss uses
+    with sdpa_kernel(SDPBackend.MATH), eval_mode(model):
+        for i, (x, y) in enumerate(batches):
+            with torch.set_grad_enabled(mode == 'cached' or i == 0):
+                loss = loss_fn(model(x), y)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise ValueError(f'loss_fn must return the batch\'s mean loss, a 0-dim tensor; got '
+                                 f'{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}')
+            seen[0] += ~torch.isfinite(loss.detach())
+            if loss.requires_grad:
+                grads = torch.autograd.grad(loss * (len(x) / n), params, create_graph=mode == 'cached',
+                                            allow_unused=True)
+                seen[1] += sum(g is not None for g in grads)
+                cached.append(grads)
+    bad, used = all_sum(seen).tolist()
+    if bad:
+        raise ValueError(f'the loss is not finite on {bad:.0f} batch(es) (inf/nan in the model or the images)')
+    if not used:
+        raise ValueError('the loss does not depend on params: model(x) uses none of them (their Hessian is 0)')
+    if mode == 'forward':
         f, w0 = functional(model, params)
 
     def batch_hvp(x, y, u, grads=None):  # this batch's (weighted) H u, a tuple per parameter (None: zero)
@@ -70,11 +104,11 @@ def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
         return torch.autograd.grad([g for g, _ in pairs], params, grad_outputs=[v for _, v in pairs],
                                    retain_graph=mode == 'cached', allow_unused=True, is_grads_batched=k)
 
-    return flat_operator(params, lambda u: ((batch_hvp(None, None, u, g) for g in cached) if mode == 'cached' else
-                                            (batch_hvp(x, y, u) for x, y in batches)))
+    return flat_operator(model, params, lambda u: ((batch_hvp(None, None, u, g) for g in cached) if mode == 'cached'
+                                                   else (batch_hvp(x, y, u) for x, y in batches)))
 
 
-def flat_operator(params, products):
+def flat_operator(model, params, products):
     """-> (matvec, P): matvec(v) for one flat vector v (P,) or k of them as the rows of (k, P), from products(u):
     an iterable of per-batch tuples (a tensor with u's leading dims, or None for zero, per parameter) of the
     vectors u as tensors per parameter; summed in float64 over the batches and torchrun's processes (one all-reduce
@@ -86,7 +120,7 @@ def flat_operator(params, products):
         lead = v.shape[:-1]
         u = [t.reshape(*lead, *p.shape).to(p.dtype) for t, p in zip(v.to(dtype).split(sizes, -1), params)]
         out = None
-        with sdpa_kernel(SDPBackend.MATH):  # the fused attention kernels have no double backward (nor jvp)
+        with sdpa_kernel(SDPBackend.MATH), eval_mode(model):  # the fused attention has no double backward, nor jvp
             for hv in products(u):
                 flat = torch.cat([p.new_zeros(*lead, p.numel()) if h is None else h.reshape(*lead, -1)
                                   for h, p in zip(hv, params)], -1)
@@ -117,9 +151,13 @@ def ggn_operator(model, batches, params=None):
     semi-definite, H itself for a linear model. Per batch and product J v by forward mode (torch.func.jvp), then
     H_out, then J^T by a backward (torch.func.vjp): no Jacobian is stored. k vectors: vmapped over them (a first
     derivative: the vmapped LayerNorm backward is right there, unlike a vmapped jacrev of a gradient). Eval mode."""
-    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    params, batches = trainable(model, params), list(batches)
+    if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
+        raise TypeError('batches must be an iterable of (x, y) pairs (y unused: G does not depend on the labels)')
     n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64,
                              device=params[0].device)).item()
+    if not n:
+        raise ValueError('no images in batches' + ' of any process' * (dist.is_available() and dist.is_initialized()))
     f, w0 = functional(model, params)
 
     def batch_ggn(x, u):  # sum over this batch's images of J_n^T H_out J_n u, / N
@@ -131,13 +169,16 @@ def ggn_operator(model, batches, params=None):
             return back((p * ju - p * (p * ju).sum(-1, keepdim=True)) / n)
         return vmap(ggn)(*u) if u[0].dim() > params[0].dim() else ggn(*u)
 
-    return flat_operator(params, lambda u: (batch_ggn(x, u) for x, _ in batches))
+    return flat_operator(model, params, lambda u: (batch_ggn(x, u) for x, _ in batches if len(x)))
 
 
 def start_vector(params, seed=0):
     """PyHessian's start: randn per parameter in order from a seeded CPU generator (the same on every device and
     process), normalised; flat float64 on the parameters' device."""
-    gen = torch.Generator().manual_seed(seed)
+    params = list(params)
+    if not params or not all(isinstance(p, torch.Tensor) for p in params):
+        raise ValueError('params must be a non-empty list of tensors (the parameters the vector is drawn for)')
+    gen = torch.Generator().manual_seed(check_int('seed', seed, 0))
     v = torch.cat([torch.randn(p.shape, generator=gen, dtype=p.dtype).flatten() for p in params]).double()
     return (v / v.norm()).to(params[0].device)
 
@@ -145,12 +186,16 @@ def start_vector(params, seed=0):
 # ----------------------------------------------------------------------------- lambda_max
 def power_iteration(matvec, v, iters=100, tol=1e-4, *, progress=None):
     """PyHessian's (pyhessian/hessian.py `eigenvalues`): v <- Hv / ||Hv||, the Rayleigh quotient v^T H v as the
-    estimate, stop at a relative change < tol (PyHessian: 1e-3). Finds the eigenvalue of largest magnitude, sign
-    kept. -> (estimate, products used, the estimates after each product)."""
-    eig, history, start = None, [], time.time()
+    estimate, stop at a relative change |new - old| / (|old| + 1e-6) < tol (PyHessian: 1e-3). Finds the
+    eigenvalue of largest magnitude, sign kept. -> (estimate, products used, the estimates after each product)."""
+    check_vector(v)
+    iters, tol = check_int('iters', iters), check_real('tol', tol)
+    check_progress(progress)
+    eig, history, start, v = None, [], time.time(), v / v.norm()
     for i in range(iters):
         hv = matvec(v)
         norm, new = torch.stack([hv.norm(), hv @ v]).tolist()  # one read per product; ||v|| = 1
+        check_finite(norm + new, f'H v at product {i + 1}')
         if norm == 0:  # H v = 0 for a random v: this block of the Hessian is 0 (e.g. behind a zero head)
             return 0.0, i + 1, history + [0.0]
         change = abs(new - eig) / (abs(eig) + 1e-6) if eig is not None else float('inf')
@@ -165,6 +210,9 @@ def power_iteration(matvec, v, iters=100, tol=1e-4, *, progress=None):
 
 
 def tridiagonal(alpha, beta):  # T: alpha on the diagonal, beta beside it; float64, on the CPU
+    if not len(alpha) or len(beta) != len(alpha) - 1:
+        raise ValueError(f'tridiagonal needs n >= 1 diagonal and n - 1 off-diagonal entries, got {len(alpha)} and '
+                         f'{len(beta)}')
     a, b = torch.tensor(alpha, dtype=torch.float64), torch.tensor(beta, dtype=torch.float64)
     return torch.diag(a) + torch.diag(b, 1) + torch.diag(b, -1)
 
@@ -195,16 +243,26 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
     approximate H's extremes, and the residual of each Ritz pair is exactly ||H y_i - theta_i y_i|| = beta_j |s_ij|
     (s_ij: the last entry of T_j's i-th eigenvector). Stop when each of the k wanted pairs has a residual
     <= tol |theta_i| (then |theta_i - lambda| <= tol |theta_i| for some eigenvalue lambda), or at an invariant
-    subspace (beta ~ 0: the Ritz values are eigenvalues), or after `steps` products.
+    subspace (beta ~ 0: the Ritz values are eigenvalues; fewer than k if it is smaller), or after `steps` products.
     which: 'LA' the k largest algebraic (the top of the spectrum: the paper's lambda_max), 'SA' the k smallest
     algebraic (the bottom: lambda_min, negative where the loss is not convex), 'LM' the k largest in magnitude
-    (what power iteration converges to). Memory: the basis, (products + 1) x P of basis_dtype, grown by
-    doubling (float32 for an fp32 model halves it: its products are only fp32-accurate anyway).
+    (what power iteration converges to). k <= steps (a product gives one Ritz value) and <= len(v). Memory: the
+    basis, (products + 1) x P of basis_dtype (float64, or float32 for an fp32 model: its products are only
+    fp32-accurate anyway), grown by doubling.
     -> dict(eigenvalues (k, in `which`'s order: 'LA' descending, 'SA' ascending, 'LM' by descending magnitude),
-    residuals, products, history: the wanted first eigenvalue after each product, alpha, beta: T's diagonals;
+    residuals, products, converged (the stopping rule or an invariant subspace, not `steps`, ended it), history:
+    the wanted first eigenvalue after each product, alpha, beta: T's diagonals;
     with vectors=True also vectors: the Ritz vectors y_i = V_j s_i, (k, P) float64 rows, unit norm)."""
+    check_vector(v)
+    k, steps, tol = check_int('k', k), check_int('steps', steps), check_real('tol', tol)
     if which not in WHICH:
-        raise ValueError(f"which must be one of {', '.join(WHICH)}, got {which!r}")
+        raise ValueError(f'which must be one of {", ".join(map(repr, WHICH))}, got {which!r}')
+    if k > min(steps, len(v)):
+        raise ValueError(f'k = {k} eigenvalues need steps >= k (one Ritz value per product) and a vector of >= k '
+                         f'entries; got steps = {steps}, {len(v)} entries')
+    if basis_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f'basis_dtype must be torch.float32 or torch.float64, got {basis_dtype}')
+    check_progress(progress)
     rows = min(steps, len(v)) + 1  # the most basis vectors a run can need; allocated as it goes, doubling
     V = torch.empty(min(rows, 33), len(v), dtype=basis_dtype, device=v.device)  # the basis, a row each
     V[0], alpha, beta, history, start = v / v.norm(), [], [], [], time.time()
@@ -214,6 +272,7 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
         a = w @ vj
         orthogonalise_(w, V[:j + 1])
         a, b = torch.stack([a, w.norm().double()]).tolist()  # one read per step
+        check_finite(a + b, f'H v at Lanczos step {j + 1}')
         alpha.append(a)
         beta.append(b)
         theta, s = torch.linalg.eigh(tridiagonal(alpha, beta[:-1]))  # ascending
@@ -230,8 +289,8 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
         if j + 1 == len(V):  # (a run that converges early never holds the basis of --iters steps)
             V = torch.cat([V, V.new_empty(min(len(V), rows - len(V)), len(v))])
         V[j + 1] = w / beta[-1]
-    out = dict(eigenvalues=theta[order].tolist(), residuals=res.tolist(), products=len(alpha), history=history,
-               alpha=alpha, beta=beta[:-1])
+    out = dict(eigenvalues=theta[order].tolist(), residuals=res.tolist(), products=len(alpha),
+               converged=done or invariant, history=history, alpha=alpha, beta=beta[:-1])
     if vectors:  # y_i = sum_j s_ji v_j, row by row in float64 (no float64 copy of a float32 basis)
         y = torch.zeros(len(order), len(v), dtype=torch.float64, device=v.device)
         for j, c in enumerate(s[:, order].to(v.device)):
@@ -242,11 +301,12 @@ def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.f
 
 def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4, seed=0, *, progress=None):
     """The dominant (largest-|lambda|, sign kept) eigenvalue of the Hessian of the mean loss over `batches` by
-    PyHessian's power iteration (power_iteration), from start_vector(seed). Call it in eval mode. (Not finite
+    PyHessian's power iteration (power_iteration), from start_vector(seed), in eval mode (hvp_operator). (Not finite
     differences of gradients: across ReLU kinks they measure another quantity; on resnet20 at init v^T H v was
     0.015 by double backward, -0.146 by differences of the loss at h = 1e-4, float64.)"""
-    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
-    matvec, _ = hvp_operator(model, loss_fn, list(batches), params)
+    iters, tol, seed = check_int('iters', iters), check_real('tol', tol), check_int('seed', seed, 0)
+    params = trainable(model, params)
+    matvec, _ = hvp_operator(model, loss_fn, batches, params)
     return power_iteration(matvec, start_vector(params, seed), iters, tol, progress=progress)[0]
 
 
@@ -260,19 +320,26 @@ def hessian_spectrum(model, loss_fn, batches, params=None, top_k=1, iters=100, t
     |lambda_min| / lambda_max), vectors=True their eigenvectors ((k, P) float64 rows), `trace` products of
     trace_estimator ('xtrace', 'hutchinson' or 'hutchpp') tr H and its standard error, `density` SLQ probes of
     `iters` steps the spectral density's nodes and weights. Probes from `seed`; batch: vectors per product call
-    for the trace and the density (one backward each, for fewer seconds per vector)."""
+    for the trace and the density (one backward each). top_k, bottom_k <= iters and the parameters (lanczos)."""
+    top_k, iters, tol = check_int('top_k', top_k), check_int('iters', iters), check_real('tol', tol)
+    trace, density, seed = check_int('trace', trace, 0), check_int('density', density, 0), check_int('seed', seed, 0)
+    bottom_k, batch = check_int('bottom_k', bottom_k, 0), check_int('batch', batch)
+    if hvp not in HVP_MODES:
+        raise ValueError(f"hvp must be 'reverse', 'cached' or 'forward', got {hvp!r}")
     if curvature not in ('hessian', 'ggn') or trace_estimator not in ('xtrace', 'hutchinson', 'hutchpp'):
         raise ValueError(f"curvature must be 'hessian' or 'ggn' (got {curvature!r}), trace_estimator 'xtrace', "
                          f"'hutchinson' or 'hutchpp' (got {trace_estimator!r})")
-    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
-    matvec, n = (ggn_operator(model, list(batches), params) if curvature == 'ggn' else
-                 hvp_operator(model, loss_fn, list(batches), params, hvp))
+    params = trainable(model, params)
+    matvec, n = (ggn_operator(model, batches, params) if curvature == 'ggn' else
+                 hvp_operator(model, loss_fn, batches, params, hvp))
     v0, out = start_vector(params, seed), dict(curvature=curvature)
     basis = torch.float64 if params[0].dtype == torch.float64 else torch.float32  # Lanczos' basis, XTrace's blocks
+    # (fp16/bf16 models: float32)
     for key, which, k in (('', 'LA', top_k), ('bottom_', 'SA', bottom_k)):
         if k:
             r = lanczos(matvec, v0, k, iters, tol, which, basis, vectors, progress=progress)
             out.update({key + k: r[k] for k in ('eigenvalues', 'residuals', 'products', 'vectors') if k in r})
+            out['converged'] = out.get('converged', True) and r['converged']
     out['lambda_max'] = out['eigenvalues'][0]
     if bottom_k:
         out.update(lambda_min=out['bottom_eigenvalues'][0],
@@ -292,7 +359,9 @@ def hessian_spectrum(model, loss_fn, batches, params=None, top_k=1, iters=100, t
 
 # ----------------------------------------------------------------------------- tr H
 def rademacher(n, gen, device):  # +-1 with probability 1/2 each, float64, from a CPU generator (the same everywhere)
-    return (torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64) * 2 - 1).to(device)
+    if not isinstance(gen, torch.Generator):
+        raise TypeError(f'gen must be a torch.Generator, got {type(gen).__name__}')
+    return (torch.randint(0, 2, (check_int('n', n),), generator=gen, dtype=torch.float64) * 2 - 1).to(device)
 
 
 def chunks(matvec, Z, batch=1):  # (i, H z_i.. for `batch` rows of Z from row i): one backward, one all-reduce each
@@ -308,11 +377,14 @@ def block_products(matvec, Z, batch=1):  # H z for each row z of Z, float64, `ba
 def hutchinson(matvec, n, samples=100, seed=0, device='cpu', batch=1, *, progress=None):
     """tr H ~ mean_i z_i^T H z_i, z_i Rademacher (Hutchinson 1990; PyHessian's `trace`): unbiased, variance
     2 (||H||_F^2 - sum_i H_ii^2) per probe. batch: probes per product call (the same probes, as many products).
-    -> (estimate, its standard error std(z^T H z) / sqrt(samples), the samples)."""
+    -> (estimate, its standard error std(z^T H z) / sqrt(samples), inf for one sample; the samples)."""
+    samples, seed, batch = check_int('samples', samples), check_int('seed', seed, 0), check_int('batch', batch)
+    check_progress(progress)
     gen, vals = torch.Generator().manual_seed(seed), []
     for i in range(0, samples, batch):
         Z = torch.stack([rademacher(n, gen, device) for _ in range(min(batch, samples - i))])
         vals += (Z * block_products(matvec, Z, batch)).sum(1).tolist()
+        check_finite(sum(vals[i:]), f'z^T H z of probes {i + 1}-{len(vals)}')
         if progress:
             progress(f'Hutchinson {len(vals)}/{samples} | trace {sum(vals) / len(vals):.6g}')
     t = torch.tensor(vals, dtype=torch.float64)
@@ -325,15 +397,17 @@ def hutchpp(matvec, n, products=99, seed=0, device='cpu', batch=1):
     exactly, the rest sampled. -> (estimate, standard error). The standard error covers the whole estimate:
     E[estimate | Q] = tr(Q^T H Q) + tr((I - QQ^T) H) = tr H for every Q, so Var(estimate) = E[Var(estimate | Q)],
     which the sampled part's variance / m estimates without bias (tested: its mean square equals the variance over
-    seeds; a single s.e. is noisy where Q sometimes misses an outlier, and then more often too small than too large)."""
-    m, gen = products // 3, torch.Generator().manual_seed(seed)
+    seeds; a single s.e. is noisy where Q sometimes misses an outlier, and then more often too small than too large).
+    products >= 3; the s.e. is inf for m = 1."""
+    m, gen = check_int('products', products, 3) // 3, torch.Generator().manual_seed(check_int('seed', seed, 0))
     S = torch.stack([rademacher(n, gen, device) for _ in range(m)])
     Q = torch.linalg.qr(block_products(matvec, S, batch).T)[0]  # (n, m)
     top = (Q.T * block_products(matvec, Q.T, batch)).sum().item()
     Z = torch.stack([rademacher(n, gen, device) for _ in range(m)])
     Z -= (Z @ Q) @ Q.T
     t = (Z * block_products(matvec, Z, batch)).sum(1)
-    return top + t.mean().item(), (t.std() / math.sqrt(m)).item()
+    check_finite(top + t.sum().item(), 'Hutch++\'s estimate')
+    return top + t.mean().item(), (t.std() / math.sqrt(m)).item() if m > 1 else math.inf
 
 
 def xtrace(matvec, n, products=100, seed=0, device='cpu', batch=1, dtype=torch.float64):
@@ -347,7 +421,7 @@ def xtrace(matvec, n, products=100, seed=0, device='cpu', batch=1, dtype=torch.f
     column of Y), so m more products H Q give every t_i; the paper's normalisation (its "improved" XTrace) rescales
     each (I - Q_(i) Q_(i)^T) omega_i to the norm sqrt(n - m + 1) of a uniform vector of that complement.
     Memory: two (m, n) blocks of `dtype` (float32 for an fp32 model halves it). -> (estimate, standard error)."""
-    m, gen = products // 2, torch.Generator().manual_seed(seed)
+    m, gen = check_int('products', products) // 2, torch.Generator().manual_seed(check_int('seed', seed, 0))
     if m < 2:
         raise ValueError(f'xtrace needs products >= 4 (two test vectors at least), got {products}')
     Om = torch.randn(m, n, generator=gen, dtype=torch.float64)
@@ -370,6 +444,7 @@ def xtrace(matvec, n, products=100, seed=0, device='cpu', batch=1, dtype=torch.f
     # (I - P_i) omega_i = omega_i - Q c_i: its quadratic form by H, from H omega_i = y_i, Q^T y_i = r_i and G
     rest = omy.cpu() - 2 * (C * R).sum(0) + (C * (G @ C)).sum(0)
     t = low + scale * rest
+    check_finite(t.sum().item(), 'XTrace\'s estimate')
     return t.mean().item(), (t.std() / math.sqrt(m)).item()
 
 
@@ -382,9 +457,12 @@ def slq(matvec, n, steps=80, probes=1, seed=0, device='cpu', vectors=None, batch
     weights sum to 1 and sum_i w_i theta_i^p estimates tr(H^p) / n. vectors: given probes (a list of flat
     vectors) instead. batch: probes run in lockstep, their products `batch` per call (memory: `batch` bases).
     -> (nodes, weights): flat float64 CPU tensors, PyHessian's eigen_list / weight_list."""
-    gen = torch.Generator().manual_seed(seed)
-    vectors = vectors if vectors is not None else [rademacher(n, gen, device) for _ in range(probes)]
-    nodes, weights = [], []
+    steps, gen = check_int('steps', steps), torch.Generator().manual_seed(check_int('seed', seed, 0))
+    vectors = list(vectors) if vectors is not None else [rademacher(n, gen, device)
+                                                          for _ in range(check_int('probes', probes))]
+    if not vectors:
+        raise ValueError('vectors is empty: give one probe vector at least')
+    nodes, weights, batch = [], [], check_int('batch', batch)
     for i in range(0, len(vectors), batch):
         for alpha, beta in lanczos_steps(matvec, torch.stack(vectors[i:i + batch]), steps):
             theta, s = torch.linalg.eigh(tridiagonal(alpha, beta))
@@ -408,6 +486,7 @@ def lanczos_steps(matvec, V0, steps):
             alpha.append((w @ V[r, j]).item())
             orthogonalise_(w, V[r, :j + 1])
             beta.append(w.norm().item())
+            check_finite(alpha[-1] + beta[-1], f'H v at Lanczos step {j + 1}')
             if beta[-1] <= 1e-12 * max(abs(a) for a in alpha) or j + 1 == min(steps, n):
                 going.remove(r)  # an invariant subspace (T's eigenvalues are H's), or the last step
             else:
@@ -420,5 +499,75 @@ def lanczos_steps(matvec, V0, steps):
 def density_curve(nodes, weights, grid, sigma):
     """The density on `grid`: each node a Gaussian of std sigma (PyHessian's density_generate smooths the same
     way), sum_i w_i N(x; theta_i, sigma^2)."""
+    sigma = check_real('sigma', sigma, positive=True)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in (nodes, weights, grid)) or \
+            nodes.shape != weights.shape:
+        raise ValueError('nodes and weights must be 1-D tensors of one length (slq), grid a 1-D tensor')
     g = torch.exp(-(grid[:, None] - nodes[None]) ** 2 / (2 * sigma ** 2)) / (sigma * math.sqrt(2 * math.pi))
     return g @ weights
+
+
+# ----------------------------------------------------------------------------- what every public function checks
+def check_int(name, v, least=1):  # an int >= least (a bool is refused: True would count as 1)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f'{name} must be an int, got {type(v).__name__} {v!r}')
+    if v < least:
+        raise ValueError(f'{name} must be >= {least}, got {v}')
+    return int(v)
+
+
+def check_real(name, v, positive=False):  # a finite number >= 0 (positive: > 0)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f'{name} must be a number, got {type(v).__name__} {v!r}')
+    if not (math.isfinite(v) and (v > 0 if positive else v >= 0)):
+        raise ValueError(f'{name} must be a finite number {"> 0" if positive else ">= 0"}, got {v}')
+    return float(v)
+
+
+def check_vector(v, name='v'):  # a non-empty 1-D float tensor, finite and not 0 (a start or probe vector)
+    if not (isinstance(v, torch.Tensor) and v.dim() == 1 and v.is_floating_point() and len(v)):
+        raise TypeError(f'{name} must be a non-empty flat (1-D) float tensor, got '
+                        + (f'{v.dtype} of shape {tuple(v.shape)}' if isinstance(v, torch.Tensor) else type(v).__name__))
+    if not (math.isfinite(norm := v.norm().item()) and norm > 0):
+        raise ValueError(f'{name} must be finite and non-zero, its norm is {norm}')
+
+
+def check_progress(progress):  # None or a function of one string (a wrong value would fail at the first step)
+    if progress is not None and not callable(progress):
+        raise TypeError(f'progress must be None or a function of one str, got {type(progress).__name__}')
+
+
+def check_finite(value, what):  # a product read back: inf / nan would go on as a number
+    if not math.isfinite(value):
+        raise ValueError(f'{what} is not finite ({value}): inf/nan in the operator (the model, the images, or '
+                         'an overflow of its dtype)')
+
+
+def trainable(model, params):  # params as a list (default: every trainable one), each model's, trainable, once
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f'model must be a torch.nn.Module, got {type(model).__name__}')
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else list(params)
+    if not params:
+        raise ValueError('no parameter requires grad: the Hessian is taken with respect to those (set '
+                         'requires_grad_(True) on the ones to measure, or pass params=)')
+    if bad := [p for p in params if not isinstance(p, torch.Tensor) or id(p) not in names]:
+        raise ValueError(f'params must be parameters of model; {len(bad)} of the {len(params)} are not')
+    if frozen := [names[id(p)] for p in params if not p.requires_grad]:
+        raise ValueError(f'params {", ".join(frozen)} do not require grad')
+    if len({id(p) for p in params}) < len(params):
+        raise ValueError('params holds a parameter twice')
+    return params
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """model.eval() for the duration (BatchNorm's running statistics, no dropout: the loss a function of the weights
+    alone, as PyHessian asks), then each module's own mode back: the model and its buffers are left as they were."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training

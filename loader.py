@@ -3,14 +3,16 @@ transform, per-image seeding, and --decode gpu (the files' bytes from the worker
 device), and on_device, the batches' last stage. data.ImageFolder uses them; train_imagenet.py, train_contrastive.py
 and bench.py too."""
 import contextlib
+import io
 import os
 
 import torch
 import torchvision
+from torchvision.io import ImageReadMode
 from torchvision.transforms import v2
 
 from augment import normalize
-from images import check_decoded
+from images import UNREADABLE, check_decoded, load_rgb, unreadable_reason
 from utils import UserError
 
 
@@ -45,35 +47,43 @@ def seeded(seed):
 
 def collate_bytes(batch):
     """ImageFolder(decode='gpu') items -> (all files' bytes end to end (n,) uint8, labels (B,), each file's byte
-    count, seeds, indices (B,)): one tensor through shared memory (a tensor per file took a descriptor each)."""
-    data, label, seed, index = zip(*batch)
+    count, seeds, indices, whether each is a plain JPEG (B,)): one tensor through shared memory (a tensor per file
+    took a descriptor each)."""
+    data, label, seed, index, plain = zip(*batch)
     return (torch.frombuffer(bytearray(b''.join(data)), dtype=torch.uint8), torch.tensor(label),
-            torch.tensor([len(d) for d in data]), torch.tensor(seed), torch.tensor(index))
+            torch.tensor([len(d) for d in data]), torch.tensor(seed), torch.tensor(index), torch.tensor(plain))
 
 
-def decode_batch(data, sizes, seeds, index, dataset, device):
-    """--decode gpu: the files' bytes decoded by torchvision.io.decode_jpeg on `device` (nvJPEG on CUDA, all at once;
-    a file nvJPEG refuses, e.g. a PNG named .JPEG as one ImageNet training image, by decode_image on the CPU), then
-    dataset.transform per image on the device under the image's seed: the crop, resize and flip draw exactly what
-    the PIL path draws (the same transform, the same RNG, and its draws depend on the image size only). The pixels
-    differ by the resize: torch's antialiased interpolate, not PIL's (tests/test_train_imagenet.py says how much).
-    data: the files' bytes end to end (sizes: each file's count). -> uint8 (B, 3, S, S) on device."""
-    data = list(data.split(sizes.tolist()))
+def decode_batch(data, sizes, seeds, index, plain, dataset, device):
+    """--decode gpu: the plain JPEGs (images.plain_jpeg, found by the loader workers) decoded by torchvision.io.
+    decode_jpeg on `device` (nvJPEG on CUDA, all at once), every other file (a PNG, GIF or 16-bit image named .JPEG,
+    CMYK) by images.load_rgb, the --decode cpu path's own decoder, and moved to the device. Then dataset.transform
+    per image on the device under the image's seed: the crop, resize and flip draw exactly what the PIL path draws
+    (the same transform, the same RNG, and its draws depend on the image size only). The pixels: decode_jpeg on the
+    CPU (libjpeg-turbo) gives PIL's, bit for bit (tests/test_fast_input.py, every kind of file); nvJPEG's inverse
+    DCT may round otherwise (not measured here: no GPU). The resize is torch's antialiased interpolate, not PIL's
+    (tests/test_train_imagenet.py says how much). data: the files' bytes end to end (sizes: each file's count).
+    -> uint8 (B, 3, S, S) on device."""
+    data, plain = list(data.split(sizes.tolist())), plain.tolist()
     try:
-        images = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
-    except RuntimeError:  # not a JPEG (or CMYK on nvJPEG): decode one at a time, and name a file nothing decodes
-        images = []
-        for d, i in zip(data, index.tolist()):
-            try:
-                images.append(torchvision.io.decode_image(d, mode=torchvision.io.ImageReadMode.RGB).to(device))
-            except RuntimeError:
-                raise UserError(f'cannot decode the image {dataset.samples[i][0]} (corrupt or truncated); replace '
-                                'or delete it') from None
+        jpegs = iter(torchvision.io.decode_jpeg([d for d, p in zip(data, plain) if p], mode=ImageReadMode.RGB,
+                                                device=device) if any(plain) else [])
+    except RuntimeError:  # decode_jpeg takes libjpeg's warnings (a damaged file) for errors, PIL not all: read the
+        jpegs, plain = None, [False] * len(data)  # batch as --decode cpu does, and name the file PIL cannot read
     out = []
-    for image, seed in zip(images, seeds.tolist()):
+    for d, p, seed, i in zip(data, plain, seeds.tolist(), index.tolist()):
+        image = next(jpegs) if p else read_rgb(d, dataset.samples[i][0]).to(device)
         with seeded(seed if seed >= 0 else None):
             out.append(dataset.transform(image))
     return torch.stack(out)
+
+
+def read_rgb(data, path):
+    """A file's bytes (a uint8 tensor) -> (3, H, W) uint8 by images.load_rgb, as --decode cpu reads the file."""
+    try:
+        return v2.functional.pil_to_tensor(load_rgb(io.BytesIO(data.numpy())))
+    except UNREADABLE as e:
+        raise UserError(f'cannot decode the image {path} ({unreadable_reason(e)}); replace or delete it') from None
 
 
 def on_device(loader, mean, std, fmt=torch.preserve_format):
@@ -81,9 +91,8 @@ def on_device(loader, mean, std, fmt=torch.preserve_format):
     bytes of float32 through shared memory and the copy, non_blocking from pinned memory. An image that could not
     be decoded (label < 0) is named while the labels are still on the CPU (no host sync). --decode gpu: decode_batch."""
     for x, y, *rest in loader:
-        if rest:  # bytes, labels, byte counts, seeds, indices
+        check_decoded(loader.dataset, y)
+        if rest:  # bytes, labels, byte counts, seeds, indices, plain JPEG or not
             x = decode_batch(x, *rest, loader.dataset, mean.device)
-        else:
-            check_decoded(loader.dataset, y)
         x = normalize(x.to(mean.device, non_blocking=True), mean, std)
         yield x.contiguous(memory_format=fmt), y.to(mean.device, non_blocking=True)

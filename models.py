@@ -17,7 +17,7 @@ import convmixer
 import mixer
 import vit
 from data import NUM_CLASSES
-from runs import read_checkpoint, stored_args
+from runs import read_checkpoint, stored_args, written_by
 from utils import UserError, first_set, one_line
 MODEL_FILES = (convmixer, vit, mixer)
 IMAGENET_RESNETS = ('resnet50', 'resnet101', 'resnet152')
@@ -106,6 +106,7 @@ def load_weights(model, path, finetune=False, new_head=False):
     stripped; locuslab keys converted) or an official JAX .npz (ViT, Mixer). finetune=True also takes weights
     trained on other classes (new_head, or another count) or at another resolution: the head is replaced, a
     ViT's pos_embed resampled."""
+    run = None
     if str(path).endswith('.npz'):  # official JAX weights: a ViT or an MLP-Mixer
         try:
             sd = (vit if isinstance(model, vit.VisionTransformer) else mixer).load_npz(path)
@@ -113,6 +114,7 @@ def load_weights(model, path, finetune=False, new_head=False):
             raise UserError(f'cannot read {path}: {type(e).__name__}: {one_line(e)}')
     else:
         ckpt = read_checkpoint(path, 'weights')
+        run = ckpt['args'] if written_by(ckpt) else None  # one of our last.pt files: its flags name its model
         sd = ckpt.get('model', ckpt.get('state_dict', ckpt)) if isinstance(ckpt, dict) else None
         if not isinstance(sd, dict) or not all(torch.is_tensor(v) for v in sd.values()):
             raise UserError(f'{path} holds no state_dict (under "model", "state_dict" or bare)')
@@ -133,10 +135,25 @@ def load_weights(model, path, finetune=False, new_head=False):
         if isinstance(model, mixer.MlpMixer) and k in sd and sd[k].shape[1] != own[k].shape[1]:
             raise UserError(f'{path} is a Mixer of {sd[k].shape[1]} tokens, this one has {own[k].shape[1]}: its '
                             'token-mixing MLP is tied to the token count; pick --img-size / patch_size to match')
-    try:
-        model.load_state_dict(sd)
-    except RuntimeError as e:  # torch names the missing and unexpected keys and both shapes
-        raise UserError(f'{path} does not fit this --model / --model-kw / --dataset: {one_line(e)}')
+    load_state(model, sd, f'{path} does not fit this --model / --model-kw / --dataset', run)
+
+
+def load_state(model, sd, what, run=None, flags=('model', 'model_kw', 'dataset', 'classes', 'img_size')):
+    """model.load_state_dict(sd), strictly; a state_dict that does not fit is one short line, `what` then what
+    differs, the first tensor of each kind (torch's message lists every tensor: thousands of characters for a model
+    of another depth), then, for one of our runs (run: the args its last.pt stored), its `flags` that build it."""
+    own = model.state_dict()
+    missing, extra = [k for k in own if k not in sd], [k for k in sd if k not in own]
+    shape = [k for k in own if k in sd and sd[k].shape != own[k].shape]
+    if missing or extra or shape:
+        said = ([f'{len(missing)} tensor(s) missing ({missing[0]}, ...)'] if missing else []) + (
+            [f'{len(extra)} this model lacks ({extra[0]}, ...)'] if extra else []) + (
+            [f'{len(shape)} of another shape ({shape[0]} {list(sd[shape[0]].shape)}, here '
+             f'{list(own[shape[0]].shape)})'] if shape else [])
+        built = ' '.join(f'--{k.replace("_", "-")} {" ".join(map(str, v)) if isinstance(v, list) else v}'
+                         for k, v in ((k, (run or {}).get(k)) for k in flags) if v not in (None, []))
+        raise UserError(f'{what}: {"; ".join(said)}' + (f'; its run had {built}' if built else ''))
+    model.load_state_dict(sd)
 
 
 def zero_head(model):

@@ -45,8 +45,8 @@ NEW_DIRS, LOCKS = [], {}  # folders this process created (removed if a bad input
 
 
 def prepare_out(args, lock=True):
-    """Refuse to touch another run, and fail now, not at the first save, if --out cannot be written. lock: hold
-    OUT/.lock (flock: released when the process ends, however it ends) so that a second run into OUT is refused."""
+    """A training script's --out: refuse to touch another run (unless --overwrite, or --resume of its last.pt), then
+    lock_out. args: out, overwrite, resume."""
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UserError(f'--out {out} is a file, not a folder')
@@ -54,8 +54,21 @@ def prepare_out(args, lock=True):
     if held and not args.overwrite and not (args.resume and Path(args.resume).resolve().parent == out.resolve()):
         raise UserError(f'--out {out} already holds a run ({", ".join(held)}); use --resume {out / "last.pt"}, '
                         'or pick another --out, or pass --overwrite')
+    return lock_out(out, lock)  # (with --overwrite the old files stay whole until the new run's first save)
+
+
+def lock_out(out, lock=True):
+    """The --out folder of any script, taken before any work: refused if it is a file; made if absent (and removed
+    again, with the parents made for it, by discard_new_dirs if the run ends at a bad input); checked writable now,
+    not at the first save; and, lock (under torchrun: rank 0's), OUT/.lock held (flock: released when the process
+    ends, however it ends), so that a second run into OUT is refused in one line while this one lives. The one lock
+    of the repo: every script that writes into an --out folder calls this (the training scripts via prepare_out).
+    -> Path(out)"""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f'--out {out} is a file, not a folder')
     try:
-        NEW_DIRS.extend([] if out.exists() else [out])
+        NEW_DIRS.extend(reversed([d for d in (out, *out.parents) if not d.exists()]))  # (outermost first)
         out.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
         if lock and out.resolve() not in LOCKS:  # (this process may run again into it: a resume, in-process)
@@ -70,12 +83,13 @@ def prepare_out(args, lock=True):
         raise UserError(f'--out {out} is in use by another run now (it holds {out / ".lock"}); pick another --out')
     except OSError as e:
         raise UserError(f'--out {out} is not writable: {e.strerror or e}')
-    return out  # (with --overwrite the old files stay whole until the new run's first epoch replaces them)
+    return out
 
 
 def discard_new_dirs():
-    """After a bad input: remove the folders this process created, if nothing but its lock is in them."""
-    for d in NEW_DIRS:
+    """After a bad input: remove the folders this process created (deepest first), if nothing but its lock is in
+    them."""
+    for d in reversed(NEW_DIRS):
         if d.is_dir() and {p.name for p in d.iterdir()} <= {'.lock'}:
             (d / '.lock').unlink(missing_ok=True)
             d.rmdir()
@@ -84,29 +98,36 @@ def discard_new_dirs():
 def save_atomic(path, obj):
     """obj into PATH.tmp, then os.replace: a reader sees the old file or the new one. obj: for .pt what torch.save
     takes; .jsonl a list of rows; .json a dict; else a function that writes into the open binary file (np.save,
-    fig.savefig). A failed write (a full disk) removes PATH.tmp, keeps the previous PATH, is a UserError."""
+    fig.savefig). A failed write (a full disk), or a value JSON cannot hold (NaN, inf), removes PATH.tmp, keeps the
+    previous PATH, is a UserError; whatever else ends it (Ctrl-C, a writer's bug) removes PATH.tmp too."""
     path = Path(path)
     tmp = path.with_name(path.name + '.tmp')
+    kept = f'the previous {path.name} is intact' if path.exists() else 'nothing was saved there'
+    try:
+        data = None if callable(obj) else encode(path, obj)
+    except ValueError:  # json's allow_nan=False: a metric of NaN or inf (computed from nothing, or diverged)
+        raise UserError(f'could not write {path}: it holds NaN or inf, which JSON has no number for; {kept}') from None
     try:
         with open(tmp, 'wb') as f:
-            if callable(obj):
-                obj(f)
-            elif path.suffix == '.pt':  # serialised in memory first: a full disk is then f.write's OSError (ENOSPC)
-                buf = io.BytesIO()  # (torch.save into a file reports it as its zip writer's RuntimeError)
-                torch.save(obj, buf)
-                f.write(buf.getbuffer())
-            elif path.suffix == '.jsonl':
-                f.write(''.join(json.dumps(r, allow_nan=False) + '\n' for r in obj).encode())
-            else:
-                f.write((json.dumps(obj, indent=1, allow_nan=False) + '\n').encode())
+            obj(f) if data is None else f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
-        kept = f'the previous {path.name} is intact' if path.exists() else 'nothing was saved there'
-        raise UserError(f'could not write {path}: {getattr(e, "strerror", None) or one_line(e)}; {kept}')
+        raise UserError(f'could not write {path}: {getattr(e, "strerror", None) or one_line(e)}; {kept}') from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def encode(path, obj):
+    """The bytes save_atomic writes for obj into path (.pt: torch.save; .jsonl: a row a line; else JSON)."""
+    if path.suffix == '.pt':  # serialised in memory first: a full disk is then f.write's OSError (ENOSPC)
+        buf = io.BytesIO()  # (torch.save into a file reports it as its zip writer's RuntimeError)
+        torch.save(obj, buf)
+        return buf.getbuffer()
+    if path.suffix == '.jsonl':
+        return ''.join(json.dumps(r, allow_nan=False) + '\n' for r in obj).encode()
+    return (json.dumps(obj, indent=1, allow_nan=False) + '\n').encode()
 
 
 # Flags that describe the machine, not the experiment: on --resume they come from this command line (given, or their
@@ -127,16 +148,17 @@ def machine_line(args, saved, log):
 def restore(ckpt, opt, scaler, args, not_inherited, log):
     """--resume, epoch-based: the optimizer and GradScaler state; logs changed flags (not_inherited: flags never
     taken from the run, MACHINE_FLAGS among them; machine_line names those). -> (epoch, step, history)"""
+    changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
+               if k in args.saved_args and k not in not_inherited and args.saved_args[k] != v]
     try:
         load_optimizer_state(opt, ckpt['optimizer'])
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})')
+    except (ValueError, KeyError, RuntimeError) as e:  # another set of trained parameters: name the flags that moved
+        raise UserError(f'--resume {args.resume}: its optimizer state does not fit ({one_line(e)})' + (
+            f'; changed since the run: {", ".join(changed)}: pass the run\'s values' if changed else '')) from None
     if ckpt['scaler'] and scaler.is_enabled():
         scaler.load_state_dict(ckpt['scaler'])
     if ckpt['epoch'] >= args.epochs:
         raise UserError(f"{args.resume} has trained all {ckpt['epoch']} epochs; pass --epochs N > {ckpt['epoch']}")
-    changed = [f'--{k.replace("_", "-")} {args.saved_args[k]} -> {v}' for k, v in vars(args).items()
-               if k in args.saved_args and k not in not_inherited and args.saved_args[k] != v]
     log(f"resumed {args.resume} at epoch {ckpt['epoch']}, step {ckpt['step']}; "
         f"changed: {', '.join(changed) or 'nothing'}")
     machine_line(args, args.saved_args, log)

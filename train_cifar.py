@@ -29,7 +29,8 @@ from data import MEAN, NUM_CLASSES, STD, evaluate, load_cifar, resize
 from flags import check_lr_not_all_zero, check_ranges, given
 from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw, zero_head
 from pgd import pgd
-from runs import MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, written_by
+from runs import (MACHINE_FLAGS, discard_new_dirs, prepare_out, read_checkpoint, restore, save_atomic, stored_args,
+                  written_by)
 from gsam import GSAM
 from sam import SAM, first_pass, second_pass
 from utils import (NO_STEP, UserError, check_finite, epoch_seed, eta, fmt_time, init_group, leave, rank_zero_first,
@@ -61,8 +62,9 @@ def get_args(argv=None):
     g.add_argument('--model', default='convmixer_256_8', help='a config of convmixer.py, vit.py, mixer.py; resnet18/20')
     g.add_argument('--model-kw', nargs='+', action='extend', default=[], metavar='KEY=VALUE',
                    help='constructor overrides (Python literals), e.g. dim=128 depth=4; classes come from --dataset')
-    g.add_argument('--pretrained', metavar='PATH', help='fine-tune from weights (as --checkpoint): a head of other '
-                   'classes is replaced by zeros, a ViT pos_embed resampled (ViT paper Sec. 3.2)')
+    g.add_argument('--pretrained', metavar='PATH', help='fine-tune from weights (as --checkpoint; our last.pt: its '
+                   '--model, --model-kw are the defaults): a head of other classes is replaced by zeros, a ViT '
+                   'pos_embed resampled (ViT paper Sec. 3.2)')
     g = p.add_argument_group('optimisation ("locuslab": that script\'s own argparse default)')
     g.add_argument('--epochs', type=int, default=25)
     g.add_argument('--batch-size', type=int, default=512, help='global batch: images per optimizer step')
@@ -125,6 +127,10 @@ def get_args(argv=None):
         args.saved_args = ckpt['args']
     elif args.resume:
         raise UserError(f'--resume {run} is not a train_cifar.py checkpoint (it lacks some of {RUN_KEYS})')
+    elif args.pretrained and not str(args.pretrained).endswith('.npz') and (pre := stored_args(
+            args.pretrained, '--pretrained')) and (args.model == pre['model'] or not given(p, argv, 'model')):
+        # one of our last.pt files (any script's): its --model and --model-kw are the defaults (--model-kw given win)
+        args = p.parse_args(argv, namespace=Namespace(model=pre['model'], model_kw=list(pre.get('model_kw') or [])))
     args.out = args.out or (str(Path(args.resume).parent) if args.resume else 'runs/cifar')
     check_ranges(args, ['epochs', 'batch_size', 'eval_batch_size', 'img_size', 'adv_steps', 'scale'],
                  ['sam_m', 'train_subset', 'test_subset', 'log_every', 'randaug_n', 'randaug_m', 'seed', 'lr', 'wd',
@@ -177,8 +183,8 @@ def load_data(args, proc):
     """The CIFAR images on the device as uint8: (train_x, train_y) (None with --eval-only), (test_x, test_y).
     Under torchrun rank 0 reads (and downloads, if needed) first."""
     with rank_zero_first(proc):
-        read = lambda train, n: [t.to(proc.device) for t in load_cifar(args.data, args.dataset, train, n, args.classes,
-                                                                         classes_flag='--classes')]
+        read = lambda train, n: [t.to(proc.device) for t in load_cifar(  # (every class in a subset: data.py)
+            args.data, args.dataset, train, n, args.classes, '--classes', f'--{"train" if train else "test"}-subset')]
         test = read(False, args.test_subset)
         train = (None, None) if args.eval_only else read(True, args.train_subset)
     if not args.eval_only and len(train[1]) < args.batch_size:

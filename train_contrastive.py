@@ -260,8 +260,9 @@ def momentum_at(t, args):  # main_moco.py adjust_moco_momentum: moco_m at t = 0,
 # ImageFolder + DataLoader, decoded to uint8 squares (train_imagenet.py's resize and crop).
 def load_data(args, device, rank=0, world=1):
     if args.dataset != 'imagenet':
-        train_x, train_y = load_cifar(args.data, args.dataset, True, args.train_subset)
-        test_x, test_y = load_cifar(args.data, args.dataset, False, args.test_subset)
+        # (the probes classify: every class needs an image in both subsets)
+        train_x, train_y = load_cifar(args.data, args.dataset, True, args.train_subset, subset_flag='--train-subset')
+        test_x, test_y = load_cifar(args.data, args.dataset, False, args.test_subset, subset_flag='--test-subset')
         return dict(train=train_x.to(device), train_eval=train_x.to(device), train_y=train_y.to(device),
                     test=test_x.to(device), test_y=test_y.to(device), classes=NUM_CLASSES[args.dataset],
                     norm=(MEAN[args.dataset], STD[args.dataset]))

@@ -31,7 +31,7 @@ from augment import random_erasing
 from data import LAYOUT, MEANS, ImageFolder, OneBatch, ResumableSampler, eval_transform
 from flags import check_lr_not_all_zero, check_ranges
 from loader import collate_bytes, node_workers, on_device, train_transform
-from models import build_model, build_on_meta, channels_last, load_weights, parse_model_kw
+from models import build_model, build_on_meta, channels_last, load_state, load_weights, parse_model_kw
 from runs import (MACHINE_FLAGS, discard_new_dirs, load_optimizer_state, machine_line, prepare_out, read_checkpoint,
                   save_atomic, written_by)
 from gsam import GSAM
@@ -358,8 +358,8 @@ def resume(args, model, optimizer, scaler, steps, log):
         raise UserError(f'--resume {args.resume}: that run has --batch-size {old["batch_size"]} and '
                         f'{ckpt["steps_per_epoch"]} steps per epoch, this one {args.batch_size} and {steps}; a '
                         'resumed run keeps its global batch and training set')
+    load_state(model, ckpt['model'], f'--resume {args.resume} does not fit this run', old)  # (models.py)
     try:
-        model.load_state_dict(ckpt['model'])
         load_optimizer_state(optimizer, ckpt['optimizer'])  # this command line's rho, wd, eps, ...
     except (RuntimeError, ValueError, KeyError) as e:
         raise UserError(f'--resume {args.resume} does not fit this run: {one_line(e)}') from None

@@ -386,3 +386,58 @@ def test_convmixer_locuslab_of_another_depth_fails_strict_loading():
     assert 'blocks.2.0.fn.0.weight' in sd and 'head.weight' in sd
     with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "blocks.2.'):
         convmixer.ConvMixer(**{**CM, 'depth': 2}, num_classes=CLASSES).load_state_dict(sd)
+
+
+# -----------------------------------------------------------------------------
+# Issue 42 (C23): a state_dict that does not fit is one short line naming the flags, not torch's list of tensors.
+def our_last_pt(path, net, **args):
+    """A last.pt in our scripts' layout (runs.RUN_KEYS; train_imagenet.py's adds steps_per_epoch) holding net."""
+    torch.save(dict(model=net.state_dict(), optimizer={}, scaler={}, epoch=1, step=1, history=[], args=args,
+                    **({'steps_per_epoch': 1} if 'recipe' in args else {})), path)
+    return path
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_short_line_with_the_runs_flags(tmp_path):
+    """A ConvMixer of depth 1, width 16 loaded into depth 2, width 32 (C23's case): torch's message was 4,972
+    characters. Now: the counts of missing / extra / reshaped tensors (oracle: the key sets, computed here), the
+    first of each, and the flags of the run that wrote the file."""
+    import models
+    from utils import UserError
+    small = convmixer.ConvMixer(dim=16, depth=1, kernel_size=3, patch_size=2, num_classes=10)
+    big = convmixer.ConvMixer(dim=32, depth=2, kernel_size=3, patch_size=2, num_classes=10)
+    path = our_last_pt(tmp_path / 'last.pt', small, model='convmixer_256_8', model_kw=['dim=16', 'depth=1'],
+                       dataset='cifar10', img_size=32, classes=None)
+    theirs, own = small.state_dict(), big.state_dict()
+    missing, reshaped = [k for k in own if k not in theirs], [k for k in own if k in theirs and
+                                                               theirs[k].shape != own[k].shape]
+    assert missing and reshaped and not set(theirs) - set(own)
+    with pytest.raises(UserError) as e:
+        models.load_weights(big, path)
+    msg = str(e.value)
+    assert '\n' not in msg and len(msg) < 400, (len(msg), msg)
+    assert msg == (f'{path} does not fit this --model / --model-kw / --dataset: {len(missing)} tensor(s) missing '
+                   f'({missing[0]}, ...); {len(reshaped)} of another shape ({reshaped[0]} '
+                   f'{list(theirs[reshaped[0]].shape)}, here {list(own[reshaped[0]].shape)}); its run had --model '
+                   'convmixer_256_8 --model-kw dim=16 depth=1 --dataset cifar10 --img-size 32')
+    torch.save(theirs, tmp_path / 'bare.pt')  # not one of ours: the differences only
+    with pytest.raises(UserError, match=r'\.pt does not fit this --model / --model-kw / --dataset: \d+ tensor\(s\) '
+                                        r'missing \(blocks\.1\.[^)]*\); \d+ of another shape \([^)]*\)$'):
+        models.load_weights(big, tmp_path / 'bare.pt')
+
+
+@pytest.mark.parametrize('script', ['train_cifar', 'train_imagenet'])
+def test_train_cifar_pretrained_of_our_last_pt_takes_its_model_and_model_kw(tmp_path, script):
+    """C23: train_cifar.py --pretrained runs/x/last.pt builds the run's --model and --model-kw (as --checkpoint
+    does, and train_imagenet.py's --pretrained), loads its weights exactly, and a --model-kw given still wins."""
+    import train_cifar as tc
+    kw = ['dim=16', 'depth=1', 'kernel_size=3', 'patch_size=2']
+    torch.manual_seed(3)
+    run = tc.build_model('convmixer_256_8', 10, 32, tc.parse_model_kw(kw), cifar=True)
+    extra = dict(dataset='cifar10', img_size=32) if script == 'train_cifar' else dict(recipe='convmixer', img_size=32)
+    path = our_last_pt(tmp_path / 'last.pt', run, model='convmixer_256_8', model_kw=kw, **extra)
+    args = tc.get_args(['--pretrained', str(path), '--model-kw', 'kernel_size=3'])
+    assert args.model == 'convmixer_256_8' and tc.parse_model_kw(args.model_kw) == tc.parse_model_kw(kw)
+    model = tc.make_model(args)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), run.state_dict().values()))
+    assert tc.parse_model_kw(tc.get_args(['--pretrained', str(path), '--model-kw', 'depth=2']).model_kw)['depth'] == 2
+    assert tc.get_args(['--pretrained', str(path), '--model', 'vit_s4_cifar']).model_kw == []  # another model: its own

@@ -475,6 +475,9 @@ def test_data_folders_one_class_16_bit_and_a_decompression_bomb(cifar10_dir, tmp
     loaded = tc.load_data(args, 'cpu')
     cats = loaded['train'][loaded['train_y'] == 3]
     assert torch.equal(cats, torch.from_numpy(np.round(level / 257).astype(np.uint8)).expand(2, 3, 32, 32))
+    for flag in ('--train-subset', '--test-subset'):  # the probes on 5 of the 10 classes said done (bad-inputs-3)
+        with pytest.raises(utils.UserError, match=f'{flag} 5 leaves 5 of the 10 classes without an image'):
+            tc.load_data(tc.get_args(['--data', str(root), *TINY, *PROBE, flag, '5']), 'cpu')
     write_bomb_png(root / 'train' / 'cat' / 'zz_bomb.png')
     with pytest.raises(utils.UserError, match=r"cannot decode .*zz_bomb.png: it has more than 178,956,970 pixels"):
         tc.load_data(args, 'cpu')

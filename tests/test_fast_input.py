@@ -3,6 +3,7 @@ function they replaced (kept here as the oracle), the per-image seeding against 
 --decode gpu path (run on the CPU device) against the PIL path, the EMA against its closed form."""
 import math
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,19 +241,116 @@ def test_decode_gpu_on_the_cpu_device_matches_the_pil_path(jpeg_folder, recipe, 
         assert diff.max() <= max_diff and (diff > 1).float().mean() <= frac_over_1
 
 
-def test_train_imagenet_decode_gpu_runs_on_the_cpu_device_and_names_a_file_it_cannot_decode(jpeg_folder, tmp_path):
+def test_train_imagenet_decode_gpu_runs_on_the_cpu_device_and_names_a_file_it_cannot_decode(jpeg_folder, odd_files,
+                                                                                            tmp_path):
     """--decode gpu through train_imagenet.main (a loader worker reading bytes, decode and crop on the CPU device):
-    two steps and an exact evaluation of the 8 validation images; a file that is no image is one clear error."""
+    an epoch over a folder holding every odd kind of file among its JPEGs (D14: a 16-bit PNG crashed it), and an
+    exact evaluation of the validation images; a file that is no image is one clear error."""
     import shutil
     import train_imagenet as ti
     from utils import UserError
     argv = ['--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=32', 'heads=2', '--img-size', '32', '--batch-size', '4',
             '--epochs', '1', '--warmup-steps', '1', '--workers', '1', '--decode', 'gpu', '--log-every', '1',
             '--eval-batch-size', '3']
-    res = ti.main(['--data', str(jpeg_folder), *argv, '--out', str(tmp_path / 'run')])
-    assert res['n'] == 8 and math.isfinite(res['loss'])
+    mixed = tmp_path / 'mixed'
+    shutil.copytree(jpeg_folder, mixed)
+    for f in (odd_files[0] / 'odd' / 'a').iterdir():  # the 12 kinds into train/a: 36 images, 9 steps of 4
+        shutil.copy(f, mixed / 'train' / 'a' / f.name)
+    shutil.copy(odd_files[0] / 'odd' / 'b' / 'b_jpeg.JPEG', mixed / 'val' / 'b')  # 9 validation images
+    res = ti.main(['--data', str(mixed), *argv, '--out', str(tmp_path / 'run')])
+    assert res['n'] == 9 and math.isfinite(res['loss'])
     bad = tmp_path / 'bad'
     shutil.copytree(jpeg_folder, bad)
     (bad / 'val' / 'b' / '2.JPEG').write_bytes(b'not a JPEG at all')
-    with pytest.raises(UserError, match=r'cannot decode the image .*val/b/2\.JPEG'):
+    with pytest.raises(UserError, match=r'cannot decode the image .*val/b/2\.JPEG \(corrupt or truncated\)'):
         ti.main(['--data', str(bad), *argv, '--out', str(tmp_path / 'run_bad')])
+
+
+# -----------------------------------------------------------------------------
+# Issue 42 (D14, D18): both decoders give the same pixels for every kind of file a folder of .JPEG may hold.
+def png16(path, pixels):
+    """A 16-bit RGB PNG of (H, W, 3) uint16 pixels, written by hand from the PNG spec (PIL writes no 16-bit RGB)."""
+    import struct
+
+    def chunk(kind, data):
+        return struct.pack('>I', len(data)) + kind + data + struct.pack('>I', zlib.crc32(kind + data))
+    h, w, _ = pixels.shape
+    rows = b''.join(b'\0' + row.astype('>u2').tobytes() for row in pixels)  # filter 0 (none) on every row
+    path.write_bytes(b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', w, h, 16, 2, 0, 0, 0))
+                     + chunk(b'IDAT', zlib.compress(rows)) + chunk(b'IEND', b''))
+
+
+@pytest.fixture(scope='module')
+def odd_files(tmp_path_factory):
+    """bad-inputs-3's d/i_mixed kinds, and their kin, as ROOT/odd/a/<kind>.JPEG, made from known 8-bit pixels ->
+    (ROOT, {kind: the (H, W, 3) pixels any reader must give, or None for a lossy JPEG}). The oracle is the
+    construction: 16 bits v * 257 are v in 8 bits; an alpha channel is dropped (PIL's convert('RGB'), libpng's
+    strip); a palette is its colours; grey is replicated."""
+    import numpy as np
+    from PIL import Image
+    root = tmp_path_factory.mktemp('odd')
+    for c in ('a', 'b'):  # (b: an RGB JPEG; a folder of one class is refused)
+        (root / 'odd' / c).mkdir(parents=True)
+    rgb = natural(1, 32, seed=3)[0].permute(1, 2, 0).numpy()
+    grey = rgb[..., 0]
+    pal = Image.fromarray(rgb).quantize(16)
+    kinds = {
+        'grey16_png': (Image.fromarray(grey.astype(np.uint16) * 257), 'PNG', np.repeat(grey[..., None], 3, 2)),
+        'rgba_png': (Image.fromarray(np.dstack([rgb, 255 - grey]), 'RGBA'), 'PNG', rgb),
+        'grey_png': (Image.fromarray(grey), 'PNG', np.repeat(grey[..., None], 3, 2)),
+        'grey_alpha_png': (Image.fromarray(np.dstack([grey, grey]), 'LA'), 'PNG', np.repeat(grey[..., None], 3, 2)),
+        'palette_gif': (pal, 'GIF', np.array(pal.getpalette()[:48]).reshape(16, 3)[np.asarray(pal)]),
+        'png': (Image.fromarray(rgb), 'PNG', rgb),
+        'bmp': (Image.fromarray(rgb), 'BMP', rgb),
+        'one_px_jpeg': (Image.fromarray(rgb[:1, :1]), 'JPEG', None),
+        'cmyk_jpeg': (Image.fromarray(rgb).convert('CMYK'), 'JPEG', None),
+        'grey_jpeg': (Image.fromarray(grey), 'JPEG', None),
+        'rgb_jpeg': (Image.fromarray(rgb), 'JPEG', None),
+    }
+    for name, (img, fmt, _) in kinds.items():
+        img.save(root / 'odd' / 'a' / f'{name}.JPEG', format=fmt)
+    png16(root / 'odd' / 'a' / 'rgb16_png.JPEG', rgb.astype(np.uint16) * 257)
+    Image.fromarray(255 - rgb).save(root / 'odd' / 'b' / 'b_jpeg.JPEG')
+    return root, {**{name: want for name, (_, _, want) in kinds.items()}, 'rgb16_png': rgb}
+
+
+def pil_pixels(path):  # --decode cpu's reading of a file: images.load_rgb, as (3, H, W) uint8
+    import numpy as np
+    import images
+    return torch.from_numpy(np.array(images.load_rgb(path))).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize('kind', ['grey16_png', 'rgb16_png', 'rgba_png', 'grey_png', 'grey_alpha_png', 'palette_gif',
+                                  'png', 'bmp', 'one_px_jpeg', 'cmyk_jpeg', 'grey_jpeg', 'rgb_jpeg'])
+def test_decode_gpu_and_cpu_give_the_same_pixels_for_every_kind_of_file(odd_files, kind):
+    """--decode cpu (images.load_rgb) and --decode gpu (loader.decode_batch on the CPU device, from the loader
+    workers' data.ImageFolder item through collate_bytes) give the construction's pixels (the lossless kinds), and
+    each other's, bit for bit, as (3, H, W) uint8. Fails if a 16-bit kind comes back uint16 or unscaled (D18), or if
+    a greyscale or RGBA file is decoded without the conversion to RGB (mutant 7 of issue 42)."""
+    import numpy as np
+    import data
+    import loader
+    root, wants = odd_files
+    ds = data.ImageFolder(root, 'odd', lambda x: x, 32, decode='gpu')
+    i = [Path(p).stem for p, _ in ds.samples].index(kind)
+    batch = loader.collate_bytes([ds[i]])
+    gpu, cpu = loader.decode_batch(batch[0], *batch[2:], ds, 'cpu')[0], pil_pixels(ds.samples[i][0])
+    assert gpu.dtype == torch.uint8 and gpu.shape == cpu.shape and gpu.shape[0] == 3
+    assert torch.equal(gpu, cpu)
+    if wants[kind] is not None:
+        assert torch.equal(cpu, torch.from_numpy(np.array(wants[kind], dtype=np.uint8)).permute(2, 0, 1))
+    if kind == 'grey_jpeg':
+        assert torch.equal(cpu[0], cpu[1]) and torch.equal(cpu[0], cpu[2])
+
+
+def test_decode_gpu_reads_a_batch_mixing_every_kind_of_file(odd_files):
+    """One batch of all the kinds (D14: a 16-bit PNG among 8-bit files crashed torch.stack, uint8 with uint16),
+    through 2 loader workers, against load_rgb per file with the same (deterministic) transform on the tensor."""
+    import data
+    import loader
+    from torchvision.transforms import v2
+    tf = v2.Resize((16, 16), antialias=True)
+    ds = data.ImageFolder(odd_files[0], 'odd', tf, 16, decode='gpu')
+    got = torch.cat([loader.decode_batch(b[0], *b[2:], ds, 'cpu') for b in torch.utils.data.DataLoader(
+        ds, batch_size=len(ds), num_workers=2, collate_fn=loader.collate_bytes)])
+    assert got.dtype == torch.uint8 and torch.equal(got, torch.stack([tf(pil_pixels(p)) for p, _ in ds.samples]))

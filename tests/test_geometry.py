@@ -421,13 +421,6 @@ def test_bad_input_is_one_line(tmp_path):
     assert r.stderr.strip().startswith('geometry.py: error:') and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_table1_never_replaces_a_table(tmp_path):
-    (tmp_path / 'table1.json').write_text('{}')
-    with pytest.raises(G.UserError, match='already holds table1.json'):
-        G.main(['table1', '--data', str(tmp_path), '--out', str(tmp_path)])
-    assert (tmp_path / 'table1.json').read_text() == '{}'
-
-
 def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_path):
     """--dataset imagenet --split test: every val image of DIR/val/<wnid>/*, resized to img_size / 0.875 and
     centre-cropped (train_imagenet's eval), (x - 0.5) / 0.5 (the .npz's norm, no run of ours), labels from the
@@ -506,9 +499,9 @@ def test_torchrun_splits_the_images_and_equals_one_process(cifar10_dir, tmp_path
 
 def test_ntk_and_attention_refuse_torchrun(monkeypatch, tmp_path):
     monkeypatch.setenv('WORLD_SIZE', '2')  # torchrun's environment, checked before any process group
-    for command in ('ntk', 'attention', 'table1'):
+    for command in ('ntk', 'attention'):
         with pytest.raises(G.UserError, match='runs in one process'):
-            G.main([command, *VIT * (command != 'table1'), '--data', str(tmp_path), '--out', str(tmp_path)])
+            G.main([command, *VIT, '--data', str(tmp_path), '--out', str(tmp_path)])
 
 
 def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_dir, tmp_path, monkeypatch):
@@ -524,7 +517,8 @@ def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_
         seen.append((next(model.parameters()).device, x.device))
         return result
     stubs = dict(hessian_spectrum=lambda m, f, b, *a, **k: on(m, b[0][0], dict(lambda_max=1.0, products=1,
-                                                                                eigenvalues=[1.0], residuals=[0.0])),
+                                                                                eigenvalues=[1.0], residuals=[0.0],
+                                                                                converged=True)),
                  loss_landscape=lambda m, f, b, *a, **k: on(m, b[0][0], (torch.zeros(3), torch.rand(3, 3))),
                  average_flatness=lambda m, f, b, *a, **k: on(m, b[0][0], 0.0),
                  active_neurons=lambda m, b: on(m, b[0][0], {'blocks.0.mlp': 0.5}),
@@ -540,40 +534,6 @@ def test_subcommands_put_the_model_and_the_images_on_the_process_device(cifar10_
     assert set(seen) == {(meta, meta)} and len(seen) == 8  # (flatness: one call per default --sigma, 3)
 
 
-def test_table1_gpu_preset_end_to_end_at_a_tiny_size(cifar10_dir, tmp_path, monkeypatch):
-    """`table1 --preset gpu` with its flags scaled down (--train-subset, --epochs-scale, --hessian-n, --ntk-n) and
-    its families shrunk to a few thousand parameters, on the CPU: every run trains in fp32 (--amp off) at the
-    preset's batch, is measured, and table1.md names the runs above the training-error threshold."""
-    tiny = {'resnet20': ('resnet20', ['stem_stride=2'], 60, 8e-3, 0.05),
-            'vit': ('vit_s4_cifar', ['patch_size=8', 'dim=16', 'depth=1', 'heads=2'], 80, 2e-3, 0.1),
-            'mixer': ('mixer_s4_cifar', ['patch_size=8', 'dim=16', 'depth=1', 'tokens_mlp_dim=8',
-                                         'channels_mlp_dim=32'], 80, 2e-3, 0.1)}
-    monkeypatch.setitem(G.PRESETS['gpu'], 'table', tiny)
-    argv = ['table1', '--preset', 'gpu', '--data', str(cifar10_dir), '--out', str(tmp_path), '--train-subset', '1024',
-            '--epochs-scale', '0.01', '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0']
-    G.main(argv)
-    table = json.loads((tmp_path / 'table1.json').read_text())
-    assert [r['run'] for r in table['rows']] == ['resnet20_adamw', 'resnet20_sam', 'vit_adamw', 'vit_sam',
-                                                 'mixer_adamw', 'mixer_sam']
-    for r in table['rows']:
-        ran = json.loads((tmp_path / 'runs' / r['run'] / 'args.json').read_text())
-        assert (ran['amp'], ran['batch_size'], ran['train_subset'], ran['epochs']) == ('off', 512, 1024, 1)
-        assert math.isfinite(r['lambda_max']) and r['train_error'] > G.LOW_ERROR
-    assert 'training error above 5%: resnet20_adamw' in (tmp_path / 'table1.md').read_text()
-    # K12: the table moved away as the refusal says, the same command reuses every finished run (no training)
-    os.rename(tmp_path / 'table1.json', tmp_path / 'old.json')
-    monkeypatch.setattr(G, 'script', lambda *a: pytest.fail(f'trained again: {a}'))
-    G.main(argv)
-    assert json.loads((tmp_path / 'table1.json').read_text())['rows'] == table['rows']
-
-
-def test_table1_gpu_preset_models_build():
-    with torch.device('meta'):
-        sizes = {f: sum(p.numel() for p in models.build_model(m, 10, 32, models.parse_model_kw(kw), cifar=True)
-                        .parameters()) for f, (m, kw, *_) in G.TABLE1_GPU.items()}
-    assert all(2e5 < s < 2e6 for s in sizes.values()), sizes
-
-
 VIT = ['--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=16', 'heads=2', 'patch_size=8', '--images', '10']
 
 
@@ -587,8 +547,6 @@ VIT = ['--model', 'vit_ti16', '--model-kw', 'depth=1', 'dim=16', 'heads=2', 'pat
     ('out-read-only', ['neurons', *VIT, '--out', '/sys/kernel/geo'], 'is not writable'),
     ('zero-head', ['hessian', *VIT, '--checkpoint', '{zero}'], 'has an all-zero classifier: fine-tune it first'),
     ('missing-checkpoint', ['hessian', '--checkpoint', '{dir}/nope.pt', '--images', '10'], 'nope.pt: no such file'),
-    ('table1-few-test-images', ['table1', '--data', '{few}', '--train-subset', '100', '--hessian-n', '10', '--ntk-n',
-                                '10', '--corruption-n', '0'], 'table1 tests on 100 images of each class'),
 ])
 def test_bad_input_is_one_clear_error_and_nothing_is_written(case, argv, words, cifar10_dir, tmp_path):
     """A new user's mistakes (issue 25): each one UserError before anything is measured or trained."""
@@ -642,71 +600,6 @@ def test_runs_with_their_own_img_size_or_classes_are_measured_on_their_inputs(ci
 
 
 # ----------------------------------------------------------------------------- issue 34: a new user's second round
-@pytest.mark.parametrize('preset', sorted(G.PRESETS))
-def test_table1_command_lines_carry_every_flag_it_compares(preset, tmp_path):
-    """C02, K12, K14: train_flags dropped flags of value 0 (0 == False: --log-every 0, --seed 0), so every run's
-    args.json differed from what table1 compares and no finished run was ever reused. The oracle is train_cifar's own
-    parser: the command line table1 launches gives every value table1 later compares."""
-    import train_cifar
-    args = G.get_args(['table1', '--data', str(tmp_path), '--out', str(tmp_path / 'o'), '--preset', preset])
-    table, n = G.PRESETS[preset]['table'], G.PRESETS[preset]['train_subset']
-    for f, (m, kw, ep, lr, rho) in table.items():
-        for sam in (False, True):
-            want = dict(model=m, model_kw=kw, epochs=ep, lr=lr, train_subset=n,
-                        batch_size=G.PRESETS[preset]['batch_size'], **G.TRAIN_FLAGS, sam=sam,
-                        **(dict(rho=rho) if sam else {}))
-            got = vars(train_cifar.get_args(['--data', args.data, *map(str, G.train_flags(want)), '--out', 'x']))
-            assert {k: got[k] for k in want} == want
-
-
-def finished_run(folder, want, epochs):  # what train_cifar leaves: last.pt, then args.json
-    folder.mkdir(parents=True)
-    torch.save({'epoch': epochs, 'args': want}, folder / 'last.pt')
-    (folder / 'args.json').write_text(json.dumps(want))
-
-
-def test_table1_reuses_finished_runs_and_names_damaged_or_other_ones(tmp_path, monkeypatch):
-    """K12/K14: a finished run (also one of an older table1 that stored train_cifar's log_every 50) is reused, no
-    training started; C01: another run names only the flags that differ; K15: a damaged args.json is one line."""
-    started = []
-    monkeypatch.setattr(G, 'script', lambda *a: started.append(a))
-    want = dict(model='resnet20', epochs=2, lr=1e-3, train_subset=200, **G.TRAIN_FLAGS)
-    args = argparse_ns(out=str(tmp_path), data='d')
-    finished_run(tmp_path / 'runs' / 'old', {**want, 'log_every': 50}, 2)
-    G.train_run(args, 'old', want)
-    assert not started
-    finished_run(tmp_path / 'runs' / 'other', {**want, 'train_subset': 140}, 2)
-    with pytest.raises(G.UserError, match=r'runs/other holds another run \(train_subset differ\)'):
-        G.train_run(args, 'other', want)
-    finished_run(tmp_path / 'runs' / 'cut', want, 2)
-    text = (tmp_path / 'runs' / 'cut' / 'args.json').read_text()
-    (tmp_path / 'runs' / 'cut' / 'args.json').write_text(text[:len(text) // 2])
-    with pytest.raises(G.UserError, match=r'runs/cut/args.json cannot be read \(.*\); move the run away'):
-        G.train_run(args, 'cut', want)
-    assert (tmp_path / 'runs' / 'cut' / 'args.json').read_text() == text[:len(text) // 2] and not started
-
-
-def argparse_ns(**kw):
-    import argparse
-    return argparse.Namespace(**kw)
-
-
-@pytest.mark.parametrize('subset, scale, words', [
-    (100, 0.01, '--train-subset 100 and --epochs-scale 0.01 give a run 1 epoch(s) of 0 step(s) of the preset\'s '
-                'batch 128: raise them to 2 steps at least (--train-subset 256)'),  # R30
-    (130, 0.01, '1 epoch(s) of 1 step(s)'),  # R30b: one step of a one-cycle schedule
-    (100, 1.0, '15 epoch(s) of 0 step(s)'),  # fewer images than the batch: no step at all
-])
-def test_table1_refuses_a_budget_of_less_than_two_steps_before_measuring(subset, scale, words, tmp_path, monkeypatch):
-    monkeypatch.setattr(G, 'ntk_condition_number', lambda *a, **k: pytest.fail('measured before refusing'))
-    monkeypatch.setattr(G, 'load_cifar', lambda root, dataset, train, n: (  # n train / 1,000 test images, 10 classes
-        torch.zeros(n or 1000, 3, 32, 32, dtype=torch.uint8), torch.arange(n or 1000) % 10))
-    with pytest.raises(G.UserError, match=re.escape(words)):
-        G.main(['table1', '--data', str(tmp_path), '--out', str(tmp_path / 'o'), '--train-subset', str(subset),
-                '--epochs-scale', str(scale), '--hessian-n', '20', '--ntk-n', '10', '--corruption-n', '0'])
-    assert not (tmp_path / 'o').exists() or not any((tmp_path / 'o').rglob('*.pt'))
-
-
 def tiny_vit_run(path, zero_head=False, **args):  # a last.pt of ours: a 2-block ViT for 32 px, 10 classes
     model = vit.create('vit_s4_cifar', num_classes=10, img_size=32, patch_size=8, dim=16, depth=1, heads=2)
     G.draw_zero_head_(model)  # (the JAX init's head is zero: a trained one is not)
@@ -800,3 +693,159 @@ def test_train_imagenet_run_is_measured_at_its_size_class_count_and_preprocessin
                                           'folders of'):
         G.main(['hessian', '--checkpoint', str(tmp_path / 'last.pt'), '--data', str(tmp_path / 'in'), '--img-size',
                 '32', '--out', str(tmp_path / 'o32')])
+
+
+# ----------------------------------------------------------------------------- issue 42: a new user's third round
+def hold_lock(folder):
+    """Another process holding FOLDER/.lock as runs.prepare_out does (flock), until the returned Popen is killed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    p = subprocess.Popen([sys.executable, '-c', 'import fcntl, sys, time; f = open(sys.argv[1], "a"); '
+                          'fcntl.flock(f, fcntl.LOCK_EX); print("held", flush=True); time.sleep(120)',
+                          str(folder / '.lock')], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == 'held'
+    return p
+
+
+def test_a_second_run_into_a_held_out_is_refused_before_measuring(cifar10_dir, tmp_path, monkeypatch, one_thread):
+    """Issue 42 (two runs into one --out: both said done, one result lost): while another process holds OUT/.lock, a
+    measurement into OUT is one UserError (one line on the command line), before any image is read or measured."""
+    monkeypatch.setattr(G.data, 'measurement_images', lambda *a, **k: pytest.fail('measured into a held --out'))
+    holder = hold_lock(tmp_path / 'out')
+    try:
+        with pytest.raises(G.UserError) as e:
+            G.main(['neurons', *VIT, '--data', str(cifar10_dir), '--out', str(tmp_path / 'out')])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert str(e.value) == (f'--out {tmp_path / "out"} is in use by another run now (it holds '
+                            f'{tmp_path / "out" / ".lock"}); pick another --out')
+    assert sorted(os.listdir(tmp_path / 'out')) == ['.lock']
+
+
+def test_table1_subcommand_points_to_table1_py():
+    """Issue 43: the Table 1 runner is table1.py; the old command is one line naming the new one, flags kept."""
+    with pytest.raises(G.UserError) as e:
+        G.main(['table1', '--data', 'data/cifar10', '--preset', 'gpu', '--out', 'my table'])
+    assert str(e.value) == "table1 is a script of its own now: python table1.py --data data/cifar10 --preset gpu " \
+                           "--out 'my table'"
+
+
+def test_help_says_lanczos_finds_the_largest_algebraic_eigenvalue(capsys):
+    """H29: the command list said 'dominant eigenvalue (power iteration)'; hessian measures Lanczos's largest
+    algebraic one, which can differ from the dominant one in sign and size."""
+    with pytest.raises(SystemExit):
+        G.get_args(['-h'])
+    out = ' '.join(capsys.readouterr().out.split())
+    assert 'hessian largest (algebraic) Hessian eigenvalue of the training loss, Lanczos' in out
+    assert 'power iteration' not in out
+
+
+@pytest.mark.parametrize('case, argv, words', [
+    ('H08', ['hessian', '--images', '20', '--repeats', '30'],
+     '--repeats 30 needs --images >= 30 (an image each), got 20'),
+    ('H03', ['hessian', '--top-k', '500', '--iters', '20'], '--top-k 500 needs --iters >= {p} (the {p} eigenvalues of '
+                                                            'its {p} parameters: all there are)'),
+    ('top-k-iters', ['hessian', '--top-k', '5', '--iters', '3'], '--top-k 5 needs --iters >= 5'),
+])
+def test_issue42_bad_inputs_are_refused_before_measuring(case, argv, words, cifar10_dir, tmp_path, monkeypatch,
+                                                         one_thread):
+    monkeypatch.setattr(G.data, 'measurement_images', lambda *a, **k: pytest.fail('measured before refusing'))
+    model = ['--model', 'convmixer_256_8', '--model-kw', 'dim=4', 'depth=1', 'kernel_size=3', 'patch_size=2']
+    p = sum(q.numel() for q in models.build_model('convmixer_256_8', 10, 32, dict(dim=4, depth=1, kernel_size=3,
+                                                                                  patch_size=2)).parameters())  # 186
+    with pytest.raises(G.UserError) as e:
+        G.main([*argv, *model, '--data', str(cifar10_dir), '--out', str(tmp_path / 'out')])
+    assert str(e.value) == words.format(p=p)
+    assert not (tmp_path / 'out').exists()
+
+
+def test_compare_checks_for_pyhessian_before_measuring(cifar10_dir, tmp_path, monkeypatch, one_thread):
+    """H26: without PyHessian, --compare was refused only after the whole Lanczos measurement, its result lost."""
+    monkeypatch.setitem(sys.modules, 'pyhessian', None)  # import pyhessian: ImportError
+    monkeypatch.setattr(G, 'hessian_spectrum', lambda *a, **k: pytest.fail('measured before refusing'))
+    with pytest.raises(G.UserError, match=re.escape('--compare needs PyHessian 0.1: pip install pyhessian==0.1')):
+        G.main(['hessian', *VIT, '--compare', '--data', str(cifar10_dir), '--out', str(tmp_path / 'out')])
+
+
+def test_top_k_above_the_parameters_gives_all_of_them_and_says_so(cifar10_dir, tmp_path, capsys, one_thread):
+    """H07: --top-k 500 on a model of P < 500 parameters (and each --blocks block of fewer) returned P eigenvalues
+    under `top_k: 500`. Now the console says so, the JSON's top_k is P, every block has its own count, and each
+    equals the full Hessian's spectrum (Lanczos to its invariant subspace: exact; eigh of the jacrev Hessian)."""
+    kw = dict(dim=1, depth=1, kernel_size=3, patch_size=4)  # 87 parameters (bad-inputs-3's H07: 186)
+    argv = ['hessian', '--model', 'convmixer_256_8', '--model-kw', *[f'{k}={v}' for k, v in kw.items()], '--data',
+            str(cifar10_dir), '--images', '4', '--top-k', '500', '--iters', '500', '--tol', '1e-6', '--blocks',
+            '--out', str(tmp_path)]
+    G.main(argv)
+    got = json.loads((tmp_path / 'hessian.json').read_text())
+    torch.manual_seed(0)
+    model = models.build_model('convmixer_256_8', 10, 32, kw, cifar=True).eval()
+    p = sum(q.numel() for q in model.parameters())
+    assert p < 500 and got['top_k'] == p and len(got['eigenvalues']) == p and got['converged']
+    assert f'--top-k 500 is more than the parameters of all ({p:,})' in capsys.readouterr().out
+    assert all(len(b['eigenvalues']) == sum(q.numel() for q in G.param_blocks(model)[name])
+               for name, b in got['blocks'].items())
+    x, y, _, _ = data.measurement_images(str(cifar10_dir), 'cifar10', True, 4, 32)
+    model.double()
+    names, shapes = [k for k, _ in model.named_parameters()], [q.shape for q in model.parameters()]
+
+    def loss_of(w):
+        ws = {k: t.view(s) for k, t, s in zip(names, w.split([s.numel() for s in shapes]), shapes)}
+        return F.cross_entropy(torch.func.functional_call(model, ws, (x.double(),)), y)
+    H = torch.func.jacrev(torch.func.grad(loss_of))(torch.cat([q.detach().flatten() for q in model.parameters()]))
+    eig = torch.linalg.eigvalsh(H).flip(0)
+    assert got['eigenvalues'][:5] == pytest.approx(eig[:5].tolist(), rel=1e-4, abs=1e-6 * eig[0].item())
+
+
+def test_repeats_take_their_images_in_class_order_and_say_when_classes_cannot_balance(cifar10_dir, tmp_path,
+                                                                                        monkeypatch, capsys,
+                                                                                        one_thread):
+    """H11: repeat j takes images j, j + R, ... of the images in class order, whatever order the data set gives them
+    (torchvision's CIFAR: its own; here shuffled): with 4 images of each class and --repeats 4 each repeat holds one
+    of each class, its lambda_max that of those 10 images measured directly. With 2 of each class (H10) no split is
+    balanced: the JSON and the console say so."""
+    real = data.measurement_images
+
+    def shuffled(*a, **k):  # the images in another order than their classes
+        x, y, shown, n = real(*a, **k)
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(5))
+        return x[order], y[order], shown[order], n
+    monkeypatch.setattr(G.data, 'measurement_images', shuffled)
+    kw = ['dim=4', 'depth=1', 'kernel_size=3', 'patch_size=8']
+    common = ['hessian', '--model', 'convmixer_256_8', '--model-kw', *kw, '--data', str(cifar10_dir), '--repeats', '4',
+              '--iters', '4']
+    G.main([*common, '--images', '40', '--out', str(tmp_path / 'even')])
+    got = json.loads((tmp_path / 'even' / 'hessian.json').read_text())
+    assert 'repeats_note' not in got and [r['images'] for r in got['repeats']] == [10] * 4
+    x, y, _, _ = shuffled(str(cifar10_dir), 'cifar10', True, 40, 32)
+    order = y.argsort(stable=True)  # the rule written out: class order (within a class, as given), then j::R
+    x2, y2 = x[order][2::4], y[order][2::4]
+    assert sorted(y2.tolist()) == list(range(10))
+    torch.manual_seed(0)
+    model = models.build_model('convmixer_256_8', 10, 32, models.parse_model_kw(kw), cifar=True).eval()
+    want = G.hessian_spectrum(model, F.cross_entropy, [(x2, y2)], iters=4, seed=2)['lambda_max']
+    assert got['repeats'][2]['lambda_max'] == pytest.approx(want, rel=1e-5)
+    G.main([*common, '--images', '20', '--iters', '2', '--out', str(tmp_path / 'uneven')])
+    note = json.loads((tmp_path / 'uneven' / 'hessian.json').read_text())['repeats_note']
+    assert note.startswith('not class-balanced: 10 classes have an image count that does not divide by --repeats 4')
+    assert f'repeats: {note}' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('command', ['landscape', 'flatness'])
+def test_noise_json_names_the_generator_that_drew_it(command, cifar10_dir, tmp_path, monkeypatch, one_thread):
+    """--noise-on-device draws with the device's generator (on a GPU other numbers than the CPU's): flatness.json and
+    landscape.json now name the generator, so two JSONs of other draws no longer look alike. The default: the CPU's;
+    with the flag on a device (utils.setup answers 'meta' here, the measurement stubbed): that device's."""
+    extra = {'landscape': ['--dims', '1', '--steps', '3'], 'flatness': ['--sigma', '0.01', '--samples', '1']}[command]
+    common = [command, *CONVMIXER, '--data', str(cifar10_dir), '--images', '10', *extra]
+    G.main([*common, '--out', str(tmp_path / 'cpu')])
+    assert json.loads((tmp_path / 'cpu' / f'{command}.json').read_text())['noise_generator'] == \
+        "torch.Generator('cpu') seeded with --seed 0"
+    meta, seen = torch.device('meta'), []
+    monkeypatch.setattr(G, 'setup', lambda amp: utils.Process(0, 0, 1, meta, 'off', None, contextlib.nullcontext(),
+                                                              False))
+    monkeypatch.setattr(G, 'loss_landscape', lambda *a, **k: seen.append(a[7]) or (torch.zeros(3), torch.zeros(3)))
+    monkeypatch.setattr(G, 'average_flatness', lambda *a, **k: seen.append(a[6]) or 0.0)
+    monkeypatch.setattr(G.figures, 'landscape', lambda *a: None)
+    G.main([*common, '--noise-on-device', '--out', str(tmp_path / 'dev')])
+    assert seen == [meta] and json.loads((tmp_path / 'dev' / f'{command}.json').read_text())['noise_generator'] == \
+        "torch.Generator('meta') seeded with --seed 0"

@@ -2,6 +2,7 @@
 differences; torch.linalg.eigh) of small models (an MLP, a tiny ViT, a tiny ResNet with BatchNorm in eval mode),
 against PyHessian 0.1 (the oracle of requirements-test.txt), and geometry.py's hessian --repeats and memory sizing
 (ntk chunk, hessian batch)."""
+import functools
 import json
 import math
 import re
@@ -15,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchvision.models.resnet import BasicBlock
 
 import data
+import models
 import geometry as G
 import hessian
 import utils
@@ -214,6 +216,38 @@ def test_compare_times_both_products_and_pyhessian_takes_our_power_iterations_st
     assert all(0 < r['best_s_per_hvp'] <= r['s_per_hvp'] and r['s_per_step'] > 0 for r in rows.values())
 
 
+def test_compare_times_power_iteration_to_the_eigenvalue_it_converges_to():
+    """H29: where a negative eigenvalue is the largest in magnitude, power iteration (ours, PyHessian's) converges to
+    it, not to Lanczos's lambda_max (the largest algebraic): --compare showed them as '> N HVPs', as if slow. Now each
+    is timed to its own eigenvalue and the console says which. Oracle: eigh of the float64 jacrev Hessian of a tanh
+    MLP whose most negative eigenvalue (-1.75) outweighs its largest (0.87), its next in magnitude -1.33."""
+    pytest.importorskip('pyhessian')
+    torch.manual_seed(16)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)
+    x, y = torch.randn(12, 6), torch.randint(0, 3, (12,))
+    names, shapes = [k for k, _ in model.named_parameters()], [p.shape for p in model.parameters()]
+
+    def loss_of(w):
+        ws = {k: t.view(s) for k, t, s in zip(names, w.split([s.numel() for s in shapes]), shapes)}
+        return F.cross_entropy(functional_call(model, ws, (x.double(),)), y)
+    eig = torch.linalg.eigvalsh(torch.func.jacrev(torch.func.grad(loss_of))(
+        torch.cat([p.detach().flatten() for p in model.parameters()]).double()))
+    assert -eig[0] > 1.5 * eig[-1] > 0
+    said = []
+    got = G.compare_hessian(model.eval(), x, y, 0, said.append, most=100, reps=2)
+    assert got['reference'] == pytest.approx(eig[-1].item(), rel=1e-4)
+    assert got['reference_magnitude'] == pytest.approx(eig[0].item(), rel=1e-4)
+    rows = got['rows']
+    assert rows['Lanczos']['lambda_max'] == pytest.approx(eig[-1].item(), rel=1e-3)
+    assert rows['power iteration']['hvps'] is not None  # within 1e-4 of the eigenvalue it converges to
+    for name in ('power iteration', 'PyHessian 0.1'):
+        assert rows[name]['lambda_max'] == pytest.approx(eig[0].item(), rel=1e-3)
+    assert any('power iteration and PyHessian converge to the largest-magnitude eigenvalue' in s for s in said)
+
+
 def test_repeats_split_the_images_disjointly(cifar10_dir, tmp_path):
     """--repeats 3 on 24 images: 3 x 8 images, each repeat's lambda_max that of its own images (every third, the
     classes interleaved) measured directly, mean and std over the three."""
@@ -229,9 +263,236 @@ def test_repeats_split_the_images_disjointly(cifar10_dir, tmp_path):
     x, y, _, _ = data.measurement_images(str(cifar10_dir), 'cifar10', True, 24, 32)
     assert len(set(y[1::3].tolist())) > 1  # a repeat holds several classes
     torch.manual_seed(0)
-    model = G.build_model('vit_s4_cifar', 10, 32, G.parse_model_kw(kw), cifar=True).eval()
+    model = models.build_model('vit_s4_cifar', 10, 32, models.parse_model_kw(kw), cifar=True).eval()
     want = hessian.hessian_spectrum(model, F.cross_entropy, [(x[1::3], y[1::3])], iters=30, seed=1)['lambda_max']
     assert got['repeats'][1]['lambda_max'] == pytest.approx(want, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- closed forms the code must keep
+def test_density_curve_is_the_normal_density_of_std_sigma():
+    """Issue 42, mutant 5 (exp(-d^2 / sigma^2), without the 2): one node of weight 1 gives the normal density
+    N(x; theta, sigma^2) = exp(-(x - theta)^2 / (2 sigma^2)) / (sigma sqrt(2 pi)), written here from the textbook:
+    at theta +- sigma it is exp(-1/2) / (sigma sqrt(2 pi)) (the mutant: exp(-1) / ...), and two nodes' curve
+    integrates to their weights' sum (the mutant: 1/sqrt(2) of it)."""
+    sigma, theta = 0.3, 1.7
+    grid = torch.tensor([theta - sigma, theta, theta + sigma], dtype=torch.float64)
+    got = hessian.density_curve(torch.tensor([theta], dtype=torch.float64), torch.ones(1, dtype=torch.float64), grid,
+                                sigma)
+    peak = 1 / (sigma * math.sqrt(2 * math.pi))
+    assert got.tolist() == pytest.approx([peak * math.exp(-0.5), peak, peak * math.exp(-0.5)], rel=1e-12)
+    grid = torch.linspace(-10, 10, 20001, dtype=torch.float64)  # +-30 sigma around both nodes
+    curve = hessian.density_curve(torch.tensor([-1.0, 2.0], dtype=torch.float64),
+                                  torch.tensor([0.25, 0.5], dtype=torch.float64), grid, sigma)
+    assert torch.trapezoid(curve, grid).item() == pytest.approx(0.75, rel=1e-9)
+
+
+def test_power_iteration_stops_on_the_relative_change_as_pyhessian():
+    """Issue 42, mutant 6 (stopping on |new - old| < tol, not on |new - old| / (|old| + 1e-6) < tol): on
+    A = s diag(1, r), v0 = (1, 1) / sqrt(2), the estimate after product i is in closed form
+    s (1 + r^(2i - 1)) / (1 + r^(2i - 2)) (the Rayleigh quotient of A^(i-1) v0); PyHessian's rule (transcribed here
+    in float64) stops at the first i whose relative change is < tol. At the scale s = 1e4 an absolute rule
+    runs on for many more products, at s = 1e-4 it stops at the second: both scales are checked."""
+    r, tol = 0.5, 1e-4
+    for s in (1e4, 1e-4):
+        A = torch.tensor([[s, 0], [0, s * r]], dtype=torch.float64)
+        want = [s * (1 + r ** (2 * i - 1)) / (1 + r ** (2 * i - 2)) for i in range(1, 60)]
+        stop = next(i for i in range(1, len(want)) if abs(want[i] - want[i - 1]) / (abs(want[i - 1]) + 1e-6) < tol)
+        absolute = next(i for i in range(1, len(want)) if abs(want[i] - want[i - 1]) < tol)
+        assert absolute != stop  # the two rules part at this scale
+        eig, products, history = hessian.power_iteration(lambda v: A @ v, torch.ones(2, dtype=torch.float64), 100,
+                                                         tol)
+        assert products == stop + 1 and history == pytest.approx(want[:stop + 1], rel=1e-12)
+        assert eig == pytest.approx(want[stop], rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- issue 42: hessian.py as a library
+def lib_mlp():  # bad-inputs-3's `mlp` and `B`: 131 parameters, two batches of 8 (3, 2, 2) images, labels 0..2
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    x, y = torch.randn(16, 3, 2, 2), torch.arange(16) % 3
+    return model, [(x[:8], y[:8]), (x[8:], y[8:])]
+
+
+class Unused(nn.Module):  # `extra` is never used by forward: the loss does not depend on it
+    def __init__(self):
+        super().__init__()
+        self.used, self.extra = nn.Linear(12, 3), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x.flatten(1))
+
+
+def library_case(case):
+    """bad-inputs-3's HL cases and the same kinds: -> a call that must raise."""
+    model, B = lib_mlp()
+    x, y = (torch.cat(t) for t in zip(*B))
+    spectrum = functools.partial(hessian.hessian_spectrum, model, F.cross_entropy, B)
+    matvec, n = hessian.hvp_operator(model, F.cross_entropy, B)
+    v0 = hessian.start_vector(list(model.parameters()))
+    frozen = nn.Sequential(nn.Flatten(), nn.Linear(12, 3)).requires_grad_(False)
+    inf = lib_mlp()[0]
+    with torch.no_grad():
+        inf[3].bias[0] = math.inf
+    nan_x = x.clone()
+    nan_x[0, 0, 0, 0] = math.nan
+    unused = Unused()
+    return {
+        'HL06': lambda: hessian.hessian_spectrum(model, F.cross_entropy, []),
+        'HL06b': lambda: hessian.hessian_eigenvalue(model, F.cross_entropy, []),
+        'HL07': lambda: hessian.hessian_spectrum(model, F.cross_entropy, [(x[:0], y[:0])]),
+        'HL01': lambda: hessian.hessian_spectrum(frozen, F.cross_entropy, B),
+        'HL01b': lambda: hessian.hessian_eigenvalue(frozen, F.cross_entropy, B),
+        'HL20': lambda: hessian.start_vector([]),
+        'HL08': lambda: hessian.hessian_spectrum(inf, F.cross_entropy, B, iters=20),
+        'HL08b': lambda: hessian.hessian_eigenvalue(inf, F.cross_entropy, B),
+        'HL08c': lambda: spectrum.func(model, F.cross_entropy, [(nan_x, y)]),
+        'HL08-hvp': lambda: hessian.hvp_operator(inf, F.cross_entropy, B, mode='cached'),
+        'HL09': lambda: hessian.lanczos(matvec, v0, k=0, steps=10),
+        'HL14': lambda: spectrum(top_k=0),
+        'HL10': lambda: hessian.lanczos(matvec, v0, k=1, steps=0),
+        'HL15': lambda: spectrum(iters=0),
+        'HL11': lambda: hessian.lanczos(matvec, v0, k=2, steps=300, which='SA'),
+        'HL11b': lambda: hessian.lanczos(matvec, v0, k=2, steps=300, which='la'),
+        'unused': lambda: hessian.hessian_spectrum(unused, F.cross_entropy, B, params=unused.extra.parameters()),
+        'unused-eigenvalue': lambda: hessian.hessian_eigenvalue(unused, F.cross_entropy, B,
+                                                                params=unused.extra.parameters()),
+        'not-its-params': lambda: spectrum(params=nn.Linear(2, 2).parameters()),
+        'frozen-param': lambda: hessian.hessian_spectrum(frozen, F.cross_entropy, B, params=frozen.parameters()),
+        'hvp-mode': lambda: spectrum(hvp='fwd'),
+        'operator-mode': lambda: hessian.hvp_operator(model, F.cross_entropy, B, mode='backward'),
+        'trace-bool': lambda: spectrum(trace=True),
+        'density-float': lambda: spectrum(density=1.0),
+        'tol-nan': lambda: spectrum(tol=math.nan),
+        'seed-negative': lambda: hessian.hessian_eigenvalue(model, F.cross_entropy, B, seed=-1),
+        'per-image-loss': lambda: hessian.hessian_spectrum(
+            model, lambda out, t: F.cross_entropy(out, t, reduction='none'), B),
+        'not-pairs': lambda: hessian.hvp_operator(model, F.cross_entropy, [x]),
+        'k-above-dimension': lambda: hessian.lanczos(matvec, v0, k=n + 1, steps=1000),
+        'k-above-steps': lambda: hessian.lanczos(matvec, v0, k=3, steps=2),
+        'zero-start': lambda: hessian.power_iteration(matvec, torch.zeros(n, dtype=torch.float64)),
+        'iters-0': lambda: hessian.power_iteration(matvec, v0, iters=0),
+        'hutchinson-0': lambda: hessian.hutchinson(matvec, n, 0),
+        'hutchpp-2': lambda: hessian.hutchpp(matvec, n, 2),
+        'slq-0': lambda: hessian.slq(matvec, n, probes=0),
+        'slq-no-vectors': lambda: hessian.slq(matvec, n, vectors=[]),
+        'sigma-0': lambda: hessian.density_curve(torch.zeros(1), torch.ones(1), torch.zeros(3), 0.0),
+        'nan-product': lambda: hessian.lanczos(lambda v: v * math.nan, v0),
+        'nan-power': lambda: hessian.power_iteration(lambda v: v * math.nan, v0),
+        'nan-probe': lambda: hessian.hutchinson(lambda v: v * math.nan, n, 2),
+        'basis-half': lambda: hessian.lanczos(matvec, v0, basis_dtype=torch.float16),
+        'progress-str': lambda: hessian.lanczos(matvec, v0, progress='yes'),
+    }[case]
+
+
+LIBRARY_WORDS = {
+    'HL06': 'no images in batches', 'HL06b': 'no images in batches', 'HL07': 'no images in batches',
+    'HL01': 'no parameter requires grad', 'HL01b': 'no parameter requires grad', 'HL20': 'params must be a non-empty',
+    'HL08': 'the loss is not finite on 2 batch(es) (inf/nan in the model or the images)',
+    'HL08b': 'the loss is not finite', 'HL08c': 'the loss is not finite on 1 batch(es)', 'HL08-hvp': 'not finite',
+    'HL09': 'k must be >= 1, got 0', 'HL14': 'top_k must be >= 1, got 0', 'HL10': 'steps must be >= 1, got 0',
+    'HL15': 'iters must be >= 1, got 0', 'HL11': "which must be one of 'LA', 'LM', got 'SA'",
+    'HL11b': "got 'la'", 'unused': 'the loss does not depend on params', 'unused-eigenvalue': 'does not depend',
+    'not-its-params': 'params must be parameters of model', 'frozen-param': 'params 1.weight, 1.bias do not require',
+    'hvp-mode': "hvp must be 'reverse', 'cached' or 'forward', got 'fwd'", 'operator-mode': "got 'backward'",
+    'trace-bool': 'trace must be an int, got bool True', 'density-float': 'density must be an int, got float',
+    'tol-nan': 'tol must be a finite number >= 0, got nan', 'seed-negative': 'seed must be >= 0, got -1',
+    'per-image-loss': "loss_fn must return the batch's mean loss, a 0-dim tensor; got (8,)",
+    'not-pairs': 'batches must be an iterable of (x, y) pairs', 'k-above-dimension': 'a vector of >= k entries',
+    'k-above-steps': 'k = 3 eigenvalues need steps >= k', 'zero-start': 'v must be finite and non-zero',
+    'iters-0': 'iters must be >= 1', 'hutchinson-0': 'samples must be >= 1', 'hutchpp-2': 'products must be >= 3',
+    'slq-0': 'probes must be >= 1', 'slq-no-vectors': 'vectors is empty',
+    'sigma-0': 'sigma must be a finite number > 0',
+    'nan-product': 'H v at Lanczos step 1 is not finite', 'nan-power': 'H v at product 1 is not finite',
+    'nan-probe': 'z^T H z of probe 1 is not finite', 'basis-half': 'basis_dtype must be torch.float32 or',
+    'progress-str': 'progress must be None or a function',
+}
+
+
+@pytest.mark.parametrize('case', sorted(LIBRARY_WORDS))
+def test_library_bad_input_is_one_readable_error(case):
+    """bad-inputs-3 HL01-HL20 and inputs of the same kinds (a result computed from nothing; a wrong-typed argument
+    taken as truthy; a caller trusted): each a ValueError or TypeError naming it, on one line."""
+    with pytest.raises((ValueError, TypeError)) as e:
+        library_case(case)()
+    assert LIBRARY_WORDS[case] in str(e.value) and '\n' not in str(e.value), str(e.value)
+
+
+def bn_dropout_problem():
+    """A float64 MLP with BatchNorm (drawn running statistics) and dropout, and the Hessian of its eval-mode mean
+    loss by jacrev(grad) of functional_call with the module in eval mode: the oracle."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Dropout(0.5),
+                          nn.Linear(6, 3)).double()
+    model[2].running_mean.uniform_(-0.5, 0.5)
+    model[2].running_var.uniform_(0.5, 2)
+    x, y = torch.randn(10, 3, 2, 2, dtype=torch.float64), torch.arange(10) % 3
+    names, shapes = [k for k, _ in model.named_parameters()], [p.shape for p in model.parameters()]
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+
+    def loss_of(w):
+        ws = {k: t.view(s) for k, t, s in zip(names, w.split([s.numel() for s in shapes]), shapes)}
+        return F.cross_entropy(functional_call(model.eval(), {**ws, **buffers}, (x,)), y)
+    H = torch.func.jacrev(torch.func.grad(loss_of))(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    return model, [(x[:6], y[:6]), (x[6:], y[6:])], H
+
+
+@pytest.mark.parametrize('mode', ['reverse', 'cached', 'forward'])
+def test_a_model_in_train_mode_is_measured_in_eval_mode_and_left_as_it_was(mode):
+    """HL04, HL18: BatchNorm and dropout in train mode. The measurement is the eval-mode Hessian's (the oracle's
+    eigenvalues), in every hvp mode; afterwards every buffer is bit for bit what it was (running statistics,
+    num_batches_tracked) and every module has its own mode back (the dropout left in eval by the user stays so)."""
+    model, batches, H = bn_dropout_problem()
+    model.train()
+    model[4].eval()  # a user's own choice inside a model in train mode
+    modes = [m.training for m in model.modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    got = hessian.hessian_spectrum(model, F.cross_entropy, batches, top_k=2, iters=len(H), tol=1e-10, hvp=mode)
+    assert got['eigenvalues'] == pytest.approx(torch.linalg.eigvalsh(H).flip(0)[:2].tolist(), rel=1e-8)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert [m.training for m in model.modules()] == modes
+
+
+def test_batches_may_be_a_generator_and_empty_batches_weigh_nothing():
+    """HL06 (a generator already consumed by the image count gave 0.0) and HL07b: the operator of a generator, of
+    the list with an empty batch added, equal the list's (exactly: the same products)."""
+    model, B = lib_mlp()
+    v = hessian.start_vector(list(model.parameters()), 3)
+    want = hessian.hvp_operator(model, F.cross_entropy, B)[0](v)
+    empty = (B[0][0][:0], B[0][1][:0])
+    for batches in ((b for b in B), [empty, *B], iter([B[0], empty, B[1]])):
+        assert torch.equal(hessian.hvp_operator(model, F.cross_entropy, batches)[0](v), want)
+
+
+def no_images_worker(rank, port, out):  # a torchrun process with a part of the images, or none (rank 1)
+    import torch.distributed as dist
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2)
+    model, B = lib_mlp()
+    got = {}
+    for case, mine in (('shared', B if rank == 0 else []), ('none', []),
+                       ('nan', [(B[0][0] * math.nan, B[0][1])] if rank == 1 else B)):
+        try:
+            got[case] = hessian.hessian_spectrum(model, F.cross_entropy, mine, top_k=2, iters=131, tol=1e-10,
+                                                 trace=2)['eigenvalues']
+        except ValueError as e:
+            got[case] = str(e)
+    torch.save(got, f'{out}/{rank}.pt')
+    dist.destroy_process_group()
+
+
+def test_under_torchrun_a_process_without_images_joins_and_none_at_all_is_refused_by_all(tmp_path):
+    """HL06 under torchrun: rank 1 without images, rank 0 with all: the eigenvalues of one process; no images on any
+    process, or a NaN image on one: both ranks raise the same ValueError (a collective decides: no rank is left
+    waiting in an all-reduce)."""
+    import torch.multiprocessing as mp
+    from test_geometry import free_port
+    mp.start_processes(no_images_worker, (free_port(), str(tmp_path)), nprocs=2, start_method='fork')
+    ranks = [torch.load(tmp_path / f'{r}.pt') for r in (0, 1)]
+    model, B = lib_mlp()
+    want = hessian.hessian_spectrum(model, F.cross_entropy, B, top_k=2, iters=131, tol=1e-10)['eigenvalues']
+    for got in ranks:
+        assert got['shared'] == pytest.approx(want, rel=1e-9)
+        assert got['none'] == 'no images in batches of any process'
+        assert got['nan'].startswith('the loss is not finite on 1 batch(es)')
 
 
 # ----------------------------------------------------------------------------- memory sizing
@@ -262,7 +523,7 @@ def test_hessian_batch_is_sized_from_the_free_memory(cifar10_dir, tmp_path, monk
               str(cifar10_dir), '--images', '12', '--iters', '3', '--overwrite', '--out', str(tmp_path)]
     G.main(common)
     assert json.loads((tmp_path / 'hessian.json').read_text())['batch_size'] == 12  # plenty: one batch
-    p = sum(q.numel() * 4 for q in G.build_model('vit_s4_cifar', 10, 32, dict(dim=16, depth=1, heads=2),
+    p = sum(q.numel() * 4 for q in models.build_model('vit_s4_cifar', 10, 32, dict(dim=16, depth=1, heads=2),
                                                  cifar=True).parameters())
     monkeypatch.setattr(G, 'saved_bytes', lambda x, fn: 10 ** 6)  # 2 MB per image: the graph and the second backward
     monkeypatch.setattr(G, 'free_memory', lambda device: ((3 + 8 + 16) * p + 5 * 2e6 + 1) / 0.8)  # the basis + 5

@@ -111,3 +111,26 @@ def test_fp16_autocast_input_gradient_does_not_underflow():
     with torch.autocast('cpu', dtype=torch.float16):
         got = pgd(net, x, y, 8 / 255, alpha, 1, random_start=False)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize('kw, match', [
+    (dict(eps=8), r'eps must be a number in \[0, 1\] pixel units \(8/255, not 8\), got 8'),
+    (dict(eps=float('nan')), 'eps must be a number'), (dict(alpha='0.1'), 'alpha must be a number'),
+    (dict(steps=2.5), 'steps must be an integer >= 0'), (dict(steps=-1), 'steps must be an integer >= 0'),
+    (dict(random_start='no'), "random_start must be True, False or a tensor, got 'no'"),
+    (dict(y=torch.zeros(3, dtype=torch.long)), 'y one label per image'),
+    (dict(x=torch.zeros(4, 3, 8, 8, dtype=torch.uint8)), 'x must be a float image batch'),
+    (dict(random_start=torch.zeros(1, 3, 8, 8)), 'a random_start tensor the shape of x')])
+def test_bad_arguments_are_named_and_the_mode_is_kept(kw, match):
+    """A library call that trusts its caller (bad-inputs-3's kind): eps 8 for 8/255 would attack with the whole
+    pixel range, a fractional step count ran int(steps)... Each is one ValueError/TypeError naming it, and the
+    model's mode is back also when the model itself raises."""
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 3)).train()
+    args = dict(x=torch.rand(4, 3, 8, 8), y=torch.zeros(4, dtype=torch.long), eps=0.1, alpha=0.02, steps=2)
+    with pytest.raises((ValueError, TypeError), match=match):
+        pgd(net, **{**args, **kw})
+    assert net.training
+    wrong = torch.nn.Sequential(torch.nn.Linear(5, 3)).train()
+    with pytest.raises(RuntimeError):  # a model that does not take the images: its mode is still restored
+        pgd(wrong, **args)
+    assert wrong.training

@@ -502,6 +502,7 @@ CASES = {  # name: (arguments, words the message must contain); {run} = a copy o
                                  '--img-size', 48, '--pretrained', '{dir}/mixer.pt'], ['Mixer of 64 tokens', '144']),
     'img-size-0': (['--img-size', 0], ['--img-size must be a finite number > 0 and <= 1024, got 0']),
     'adv-steps-0': (['--adv', 'pgd', '--adv-steps', 0], ['--adv-steps must be a finite number > 0, got 0']),
+    'adv-eps-8-not-255ths': (['--adv', 'pgd', '--adv-eps', 300], ['--adv-eps must be a finite number >= 0 and <= 255']),
     # issue 25: a new user's mistakes
     'model-kw-img-size': (['--model-kw', 'img_size=64'], ['img_size=64', 'the size from --img-size']),
     'drop-path-1.5': (['--model', 'vit_s4_cifar', '--model-kw', 'drop_path=1.5'],

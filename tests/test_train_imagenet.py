@@ -702,6 +702,8 @@ def bad_data(tiny_imagenet, tmp_path_factory):
     Image.new('RGB', (8, 8)).save(root / 'unflat' / 'val' / 'ILSVRC2012_val_00000001.JPEG')
     for name in ('empty_class', 'renamed', 'corrupt', 'truncated', 'bomb'):
         shutil.copytree(tiny_imagenet, root / name)
+    for split in ('train', 'val'):  # one class: a classifier of one output learns nothing (loss 0, accuracy 100%)
+        shutil.copytree(tiny_imagenet / split / 'cat', root / 'one_class' / split / 'cat')
     write_bomb_png(root / 'bomb' / 'train' / 'cat' / 'zz_bomb.png')  # 201 training images: 3 batches of 67
     for f in (root / 'empty_class' / 'train' / 'cat').iterdir():
         f.unlink()
@@ -796,14 +798,17 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
                                  ['--overwrite or --pretrained would start a new run']),
     'resume-other-batch': (RESUME + ['--batch-size', 40],
                            ['--batch-size 20 and 10 steps per epoch, this one 40 and 5']),
-    'resume-other-width': (RESUME + ['--model-kw', 'depth=2', 'dim=32', 'heads=2'],
-                           ['size mismatch for cls_token', 'torch.Size([1, 1, 64])', 'torch.Size([1, 1, 32])']),
+    'resume-other-width': (RESUME + ['--model-kw', 'depth=2', 'dim=32', 'heads=2'],  # (issue 42: short, the flags)
+                           ['--resume {out}/last.pt does not fit this run: ', 'of another shape (cls_token [1, 1, 64], '
+                            'here [1, 1, 32]); its run had --model vit_ti16 --model-kw depth=2 dim=64 heads=2']),
     'eval-without-checkpoint': (EVAL, ['--eval-only evaluates --checkpoint PATH']),
     'checkpoint-without-eval': (BASE + ['--checkpoint', '{out}/last.pt'], ['--checkpoint is for --eval-only']),
     'eval-other-width': (EVAL + ['--checkpoint', '{out}/last.pt', '--model-kw', 'depth=2', 'dim=32', 'heads=2'],
-                         ['size mismatch for cls_token', 'torch.Size([1, 1, 64])', 'torch.Size([1, 1, 32])']),
+                         ['of another shape (cls_token [1, 1, 64], here [1, 1, 32]); its run had --model vit_ti16 '
+                          '--model-kw depth=2 dim=64 heads=2']),
     'eval-head-for-1000-classes': (EVAL + ['--checkpoint', '{bad}/in1k.pth'] + TINY_VIT,
-                                   ['does not fit this --model', 'size mismatch for head.weight', '[1000, 64]']),
+                                   ['does not fit this --model', '2 of another shape (head.weight [1000, 64], here '
+                                    '[10, 64])']),
     'eval-malformed-npz': (EVAL + ['--checkpoint', '{bad}/malformed.npz'] + TINY_VIT,
                            ['cannot read {bad}/malformed.npz', "'embedding/kernel'"]),
     # issue 34
@@ -822,6 +827,14 @@ BAD_INPUTS = {  # name: (argv, fragments the message must hold)
         'decompression-bomb limit']),
     'H13-bomb-in-a-worker': (BASE + ['--data', '{bad}/bomb', '--batch-size', 67, '--workers', 1],
                              ['cannot decode the image {bad}/bomb/train/cat/zz_bomb.png (it has more than']),
+    # issue 42: --decode gpu refuses what --decode cpu refuses, in the same words (its workers read the header)
+    'H12-bomb-decode-gpu': (BASE + ['--data', '{bad}/bomb', '--batch-size', 67, '--decode', 'gpu'], [
+        "cannot decode the image {bad}/bomb/train/cat/zz_bomb.png (it has more than 178,956,970 pixels, PIL's "
+        'decompression-bomb limit']),
+    'corrupt-image-decode-gpu': (BASE + ['--data', '{bad}/corrupt', '--workers', 1, '--decode', 'gpu'],
+                                 ['cannot decode the image {bad}/corrupt/train/dog/', '(corrupt or truncated)']),
+    'one-class': (BASE + ['--data', '{bad}/one_class'],
+                  ['--data {bad}/one_class: val holds 1 class folder (cat); a classifier (or a probe) needs 2 or more']),
     'seed-over-64-bits': (BASE + ['--seed', 2 ** 64],
                           ['--seed must be a finite number >= 0 and <= 9223372036854775807']),
 }
