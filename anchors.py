@@ -128,7 +128,7 @@ def compare(model, x, y, names, seed=0, probes=100, reach=1e-4, batch=8, reps=5,
     """The side-by-side of the module's docstring on the images (x, y) as one batch (the model in eval mode)."""
     require(*names)  # every one named is there before any work
     params = [p for p in model.parameters() if p.requires_grad]
-    with sdpa_kernel(SDPBackend.MATH):  # (the fused attention kernels have no double backward)
+    with sdpa_kernel(SDPBackend.MATH), hessian.eval_mode(model):  # (fused attention: no double backward)
         matvec, n = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
         v0 = hessian.start_vector(params, seed)
         ref = reference(matvec, v0)
@@ -190,7 +190,7 @@ def to_lambda_max(model, x, y, seed, say, most=100, reach=1e-4, reps=15):
         return wall if cuda else time.process_time(), wall
 
     since = lambda t0, t1: (t1[0] - t0[0], t1[1] - t0[1])  # noqa: E731 (CPU, wall) seconds between two clocks
-    with sdpa_kernel(SDPBackend.MATH):  # (the model in eval mode: measure())
+    with sdpa_kernel(SDPBackend.MATH), hessian.eval_mode(model):
         t0 = clock()
         matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
         build, v0 = since(t0, clock()), hessian.start_vector(params, seed)

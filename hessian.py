@@ -384,7 +384,8 @@ def hutchinson(matvec, n, samples=100, seed=0, device='cpu', batch=1, *, progres
     for i in range(0, samples, batch):
         Z = torch.stack([rademacher(n, gen, device) for _ in range(min(batch, samples - i))])
         vals += (Z * block_products(matvec, Z, batch)).sum(1).tolist()
-        check_finite(sum(vals[i:]), f'z^T H z of probes {i + 1}-{len(vals)}')
+        for j in range(i, len(vals)):
+            check_finite(vals[j], f'z^T H z of probe {j + 1}')
         if progress:
             progress(f'Hutchinson {len(vals)}/{samples} | trace {sum(vals) / len(vals):.6g}')
     t = torch.tensor(vals, dtype=torch.float64)

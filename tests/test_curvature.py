@@ -347,8 +347,9 @@ def test_geometry_bottom_vectors_ggn_and_landscape_along_the_eigenvectors(cifar1
     residual ||H v - lambda v|| <= 1e-3 |lambda| (fp32 products); --trace says its estimator (XTrace by default);
     landscape --directions: the loss at w + a v equals the loss computed here at that point; --curvature ggn: a
     non-negative bottom (positive semi-definite, to fp32 rounding)."""
-    import geometry as G
     import data
+    import geometry as G
+    import models
     common = [*TINY, '--data', str(cifar10_dir), '--images', '12']
     G.main(['hessian', *common, '--iters', '40', '--bottom-k', '1', '--trace', '8', '--save-vectors', '--out',
             str(tmp_path)])
@@ -357,7 +358,8 @@ def test_geometry_bottom_vectors_ggn_and_landscape_along_the_eigenvectors(cifar1
     assert got['lambda_min_over_max'] == pytest.approx(abs(got['lambda_min']) / got['lambda_max'])
     saved = torch.load(tmp_path / 'hessian_vectors.pt', weights_only=True)
     torch.manual_seed(0)
-    model = G.build_model('vit_s4_cifar', 10, 32, G.parse_model_kw(['dim=16', 'depth=1', 'heads=2']), cifar=True)
+    model = models.build_model('vit_s4_cifar', 10, 32, models.parse_model_kw(['dim=16', 'depth=1', 'heads=2']),
+                                cifar=True)
     model.eval()
     x, y, _, _ = data.measurement_images(str(cifar10_dir), 'cifar10', True, 12, 32)
     matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)])

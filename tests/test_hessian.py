@@ -15,6 +15,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchvision.models.resnet import BasicBlock
 
+import anchors
 import data
 import models
 import geometry as G
@@ -237,7 +238,7 @@ def test_compare_times_power_iteration_to_the_eigenvalue_it_converges_to():
         torch.cat([p.detach().flatten() for p in model.parameters()]).double()))
     assert -eig[0] > 1.5 * eig[-1] > 0
     said = []
-    got = G.compare_hessian(model.eval(), x, y, 0, said.append, most=100, reps=2)
+    got = anchors.to_lambda_max(model.eval(), x, y, 0, said.append, most=100, reps=2)
     assert got['reference'] == pytest.approx(eig[-1].item(), rel=1e-4)
     assert got['reference_magnitude'] == pytest.approx(eig[0].item(), rel=1e-4)
     rows = got['rows']
@@ -351,7 +352,7 @@ def library_case(case):
         'HL14': lambda: spectrum(top_k=0),
         'HL10': lambda: hessian.lanczos(matvec, v0, k=1, steps=0),
         'HL15': lambda: spectrum(iters=0),
-        'HL11': lambda: hessian.lanczos(matvec, v0, k=2, steps=300, which='SA'),
+        'HL11': lambda: hessian.lanczos(matvec, v0, k=2, steps=300, which='BE'),
         'HL11b': lambda: hessian.lanczos(matvec, v0, k=2, steps=300, which='la'),
         'unused': lambda: hessian.hessian_spectrum(unused, F.cross_entropy, B, params=unused.extra.parameters()),
         'unused-eigenvalue': lambda: hessian.hessian_eigenvalue(unused, F.cross_entropy, B,
@@ -390,7 +391,7 @@ LIBRARY_WORDS = {
     'HL08': 'the loss is not finite on 2 batch(es) (inf/nan in the model or the images)',
     'HL08b': 'the loss is not finite', 'HL08c': 'the loss is not finite on 1 batch(es)', 'HL08-hvp': 'not finite',
     'HL09': 'k must be >= 1, got 0', 'HL14': 'top_k must be >= 1, got 0', 'HL10': 'steps must be >= 1, got 0',
-    'HL15': 'iters must be >= 1, got 0', 'HL11': "which must be one of 'LA', 'LM', got 'SA'",
+    'HL15': 'iters must be >= 1, got 0', 'HL11': "which must be one of 'LA', 'SA', 'LM', got 'BE'",
     'HL11b': "got 'la'", 'unused': 'the loss does not depend on params', 'unused-eigenvalue': 'does not depend',
     'not-its-params': 'params must be parameters of model', 'frozen-param': 'params 1.weight, 1.bias do not require',
     'hvp-mode': "hvp must be 'reverse', 'cached' or 'forward', got 'fwd'", 'operator-mode': "got 'backward'",
