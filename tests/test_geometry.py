@@ -763,7 +763,8 @@ def test_compare_checks_for_pyhessian_before_measuring(cifar10_dir, tmp_path, mo
     """H26: without PyHessian, --compare was refused only after the whole Lanczos measurement, its result lost."""
     monkeypatch.setitem(sys.modules, 'pyhessian', None)  # import pyhessian: ImportError
     monkeypatch.setattr(G, 'hessian_spectrum', lambda *a, **k: pytest.fail('measured before refusing'))
-    with pytest.raises(G.UserError, match=re.escape('--compare pyhessian needs pyhessian==0.1: pip install pyhessian==0.1')):
+    with pytest.raises(G.UserError, match=re.escape('--compare pyhessian needs pyhessian==0.1: pip install '
+                                                    'pyhessian==0.1')):
         G.main(['hessian', *VIT, '--compare', '--data', str(cifar10_dir), '--out', str(tmp_path / 'out')])
 
 
