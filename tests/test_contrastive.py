@@ -166,8 +166,10 @@ def test_ddp_equals_single_process(cifar10_dir, tmp_path):
     # the first step: same views and weights, so only the order of fp32 sums differs (gathered keys, the
     # all-reduced loss): ~1e-7 relative, CPU-dependent; other views or weights would move it by > 1e-3
     assert b[0]['loss'] == pytest.approx(a[0]['loss'], rel=1e-5)
+    # later steps: AdamW's first updates are ~lr * sign(g), so a weight whose gradient is rounding noise moves by
+    # +-lr in either run (measured 2026-12-07, step 3: 1.5e-7 on torch 2.14.1, 1.3e-4 on 2.11.0, same CPU)
     for x, y in zip(a, b):
-        assert y['loss'] == pytest.approx(x['loss'], rel=1e-4)
+        assert y['loss'] == pytest.approx(x['loss'], rel=1e-3)
     assert 'x 3 steps of 64 (2 x 32)' in out  # two ranks of 32 really ran
 
     single = {r['protocol']: r for r in rows(tmp_path / 'one', 'eval')}
