@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hessian
+import matfree
 from utils import UserError
 
 PACKAGES = {'pyhessian': 'pyhessian==0.1', 'curvlinops': 'curvlinops-for-pytorch==3.0.1',
@@ -38,19 +39,18 @@ def worst(got, want):  # the largest relative error of the eigenvalues `got` aga
 
 def reference(matvec, v0):
     """Our Lanczos to a residual of 1e-10 |lambda|: the top 5, the bottom 1, the 5 largest in magnitude."""
-    run = lambda k, which: hessian.lanczos(matvec, v0, k, 400, 1e-10, which)['eigenvalues']  # noqa: E731
+    run = lambda k, which: matfree.lanczos(matvec, v0, k, 400, 1e-10, which)['eigenvalues']  # noqa: E731
     return dict(top=run(5, 'LA'), bottom=run(1, 'SA')[0], magnitude=run(5, 'LM'))
 
 
 def ours(matvec, n, v0, ref, reach, probes, seed):
     row = {}
     for k in (1, 5):
-        r = hessian.lanczos(matvec, v0, k, 400, reach)
+        r = matfree.lanczos(matvec, v0, k, 400, reach)
         row[f'top{k}'] = dict(products=r['products'], error=worst(r['eigenvalues'], ref['top'][:k]))
-    row['lambda_min'] = hessian.lanczos(matvec, v0, 1, 400, reach, 'SA')['eigenvalues'][0]
-    row['trace_xtrace'] = hessian.xtrace(matvec, n, probes, seed)
-    row['trace_hutchinson'] = hessian.hutchinson(matvec, n, probes, seed)[:2]
-    return row
+    row['lambda_min'] = matfree.lanczos(matvec, v0, 1, 400, reach, 'SA')['eigenvalues'][0]
+    return {**row, 'trace_xtrace': matfree.xtrace(matvec, n, probes, seed),
+            'trace_hutchinson': matfree.hutchinson(matvec, n, probes, seed)[:2]}
 
 
 def curvlinops_row(model, x, y, params, matvec, v0, ref, reach):
@@ -195,10 +195,10 @@ def to_lambda_max(model, x, y, seed, say, most=100, reach=1e-4, reps=15):
         matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
         build, v0 = since(t0, clock()), hessian.start_vector(params, seed)
         # the references: the largest algebraic (lambda_max) and in magnitude (the first is also our warm-up)
-        ref, ref_lm = (hessian.lanczos(matvec, v0, 1, 300, 1e-10, which)['eigenvalues'][0] for which in ('LA', 'LM'))
+        ref, ref_lm = (matfree.lanczos(matvec, v0, 1, 300, 1e-10, which)['eigenvalues'][0] for which in ('LA', 'LM'))
         near = lambda e, want: abs(e - want) <= reach * abs(want)  # noqa: E731
-        for name, run in (('Lanczos', lambda log: hessian.lanczos(matvec, v0, 1, most, reach, progress=log)['history']),
-                          ('power iteration', lambda log: hessian.power_iteration(  # (runs on past the reach)
+        for name, run in (('Lanczos', lambda log: matfree.lanczos(matvec, v0, 1, most, reach, progress=log)['history']),
+                          ('power iteration', lambda log: matfree.power_iteration(  # (runs on past the reach)
                               matvec, v0, most, reach / 100, progress=log)[2])):
             stamps, t0, want = [], clock(), ref if name == 'Lanczos' else ref_lm
             history = run(lambda msg: stamps.append(since(t0, clock())))

@@ -5,7 +5,7 @@ any symmetric operator: 570 lines in one file read worse than two of 270 and 320
                   summed over torchrun's processes (one all-reduce of a flat vector per product); k vectors at once
                   through one vmapped backward (one all-reduce for the k)
     G v           ggn_operator: the Gauss-Newton matrix of the cross-entropy, J^T H_out J (Schraudolph 2002)
-    spectrum      hessian_spectrum: through matfree.py (beside this file; re-exported here): lambda_max and the top-k
+    spectrum      hessian_spectrum: through matfree.py (beside this file): lambda_max and the top-k
                   by Lanczos, the bottom ('SA'), eigenvectors, tr H (XTrace, Hutchinson, Hutch++), the density (SLQ)
 
 Every vector is a flat float64 tensor of the (block's) parameters, in model.parameters() order, on their device
@@ -21,9 +21,7 @@ import torch.distributed as dist
 from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from matfree import (WHICH, block_products, check_finite, check_int, check_progress, check_real,  # noqa: F401
-                     check_vector, chunks, density_curve, hutchinson, hutchpp, lanczos, lanczos_steps, orthogonalise_,
-                     power_iteration, rademacher, slq, tridiagonal, xtrace)  # (hessian.lanczos etc., as before)
+from matfree import check_int, check_real, hutchinson, hutchpp, lanczos, power_iteration, slq, xtrace
 
 
 def all_sum(t):  # t summed over torchrun's processes, in place (each holds a slice of the images), else t

@@ -16,6 +16,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hessian
+import matfree
 
 pytestmark = pytest.mark.usefixtures('one_thread')  # tests/conftest.py
 
@@ -102,7 +103,7 @@ def test_bottom_k_and_eigenvectors_equal_eigh(case):
     matvec, n = hessian.hvp_operator(model, F.cross_entropy, batches)
     v0 = hessian.start_vector(list(model.parameters()))
     for which, want, cols in (('SA', eig[:3], U[:, :3]), ('LA', eig.flip(0)[:3], U.flip(1)[:, :3])):
-        got = hessian.lanczos(matvec, v0, k=3, steps=n, tol=1e-10, which=which, vectors=True)
+        got = matfree.lanczos(matvec, v0, k=3, steps=n, tol=1e-10, which=which, vectors=True)
         assert got['eigenvalues'] == pytest.approx(want.tolist(), rel=1e-8, abs=1e-12)
         Y, lam = got['vectors'], torch.tensor(got['eigenvalues'], dtype=torch.float64)
         assert (Y @ H - lam[:, None] * Y).norm(dim=1).max() <= 1e-7 * eig.abs().max()
@@ -113,7 +114,7 @@ def test_bottom_k_and_eigenvectors_equal_eigh(case):
 @pytest.mark.parametrize('which', ['la', 'BE', 'SM', None])
 def test_lanczos_refuses_an_unknown_which(which):
     with pytest.raises(ValueError, match="'LA', 'SA', 'LM'|LA, SA, LM"):
-        hessian.lanczos(lambda v: v, torch.ones(4, dtype=torch.float64), which=which)
+        matfree.lanczos(lambda v: v, torch.ones(4, dtype=torch.float64), which=which)
 
 
 # ----------------------------------------------------------------------------- batched products, the GGN
@@ -178,14 +179,14 @@ def test_xtrace_and_hutchpp_are_unbiased_with_honest_errors_and_xtrace_beats_hut
     spectrum; the explicit matrix: more than 2x). A: a decaying indefinite matrix, or a net's float64 Hessian."""
     A = decaying() if which == 'matrix' else oracle(which)[3]
     exact = A.trace().item()
-    hu, _ = spread(lambda *a: hessian.hutchinson(*a), A, 24)
-    for estimator in (hessian.xtrace, hessian.hutchpp):
+    hu, _ = spread(lambda *a: matfree.hutchinson(*a), A, 24)
+    for estimator in (matfree.xtrace, matfree.hutchpp):
         est, se = spread(estimator, A, 24)
         assert abs(est.mean().item() - exact) <= 3 * est.std().item() / math.sqrt(len(est))
         assert 0.5 <= se.pow(2).mean().sqrt().item() / est.std().item() <= 2
         print(f'{which}: {estimator.__name__} spread {est.std():.4g} (Hutchinson {hu.std():.4g}: '
               f'{hu.std() / est.std():.2f}x), rms s.e. / spread {se.pow(2).mean().sqrt() / est.std():.2f}')
-    xt = spread(hessian.xtrace, A, 24)[0]
+    xt = spread(matfree.xtrace, A, 24)[0]
     assert xt.std() < (0.5 if which == 'matrix' else 1) * hu.std()
 
 
@@ -194,10 +195,10 @@ def test_xtrace_is_exact_when_the_products_span_the_matrix():
     gen = torch.Generator().manual_seed(0)
     B = torch.randn(40, 3, dtype=torch.float64, generator=gen)
     A = B @ torch.diag(torch.tensor([5.0, -2.0, 1.0], dtype=torch.float64)) @ B.T
-    t, se = hessian.xtrace(lambda v: v @ A, 40, 10, seed=3)
+    t, se = matfree.xtrace(lambda v: v @ A, 40, 10, seed=3)
     assert t == pytest.approx(A.trace().item(), rel=1e-9) and se < 1e-9 * abs(t)
     with pytest.raises(ValueError, match='products >= 4'):
-        hessian.xtrace(lambda v: v @ A, 40, 3)
+        matfree.xtrace(lambda v: v @ A, 40, 3)
 
 
 @pytest.mark.parametrize('batch', [1, 4])
@@ -272,7 +273,7 @@ def test_pyhessian_trace_stops_after_two_probes_when_the_first_is_negative():
         theirs = pyhessian_of(model, batches, neg).trace(maxIter=100, tol=1e-3)
     finally:
         model.double()
-    ours, se, vals = hessian.hutchinson(hessian.hvp_operator(model, neg, batches)[0], len(H), 100, seed=0)
+    ours, se, vals = matfree.hutchinson(hessian.hvp_operator(model, neg, batches)[0], len(H), 100, seed=0)
     assert theirs[0] < 0 and len(theirs) == 2  # the anchor's way: 2 probes, whatever tol asked
     assert len(vals) == 100 and abs(ours + H.trace().item()) <= 4 * se
 
@@ -291,7 +292,7 @@ def test_power_iteration_finds_the_largest_magnitude_lanczos_the_top():
     finally:
         model.double()
     matvec, n = hessian.hvp_operator(model, neg, batches)
-    ours = hessian.lanczos(matvec, hessian.start_vector(list(model.parameters())), 1, n, 1e-10)['eigenvalues'][0]
+    ours = matfree.lanczos(matvec, hessian.start_vector(list(model.parameters())), 1, n, 1e-10)['eigenvalues'][0]
     assert theirs < 0 < eig[-1]  # near lambda_min(-H) = -1.906 (here -1.894: |lambda| 1.902 at the top is close)
     assert ours == pytest.approx(eig[-1].item(), rel=1e-8)
 
@@ -331,7 +332,7 @@ def test_deflated_power_iteration_reports_a_non_eigenvalue_as_converged():
              if conv and (eig - lam).abs().min() > 0.1]
     assert wrong and all(res > 0.1 for _, res in wrong)
     matvec, n = hessian.hvp_operator(model, F.cross_entropy, batches)
-    ours = hessian.lanczos(matvec, hessian.start_vector(list(model.parameters())), 5, n, 1e-10, 'LM', vectors=True)
+    ours = matfree.lanczos(matvec, hessian.start_vector(list(model.parameters())), 5, n, 1e-10, 'LM', vectors=True)
     want = eig[eig.abs().argsort(descending=True)[:5]]
     assert ours['eigenvalues'] == pytest.approx(want.tolist(), rel=1e-8)
     lam = torch.tensor(ours['eigenvalues'], dtype=torch.float64)
