@@ -4,9 +4,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import hessian
+import matfree
 from runs import save_atomic
 from utils import EXTRAS, UserError
+
+
 def pyplot(hint=''):  # matplotlib's pyplot (Agg), or a UserError saying how to install it
     try:
         import matplotlib
@@ -110,13 +112,13 @@ def corruption_bars(runs, labels, title, path, hint=''):
 
 def spectral_density(runs, path, bins=400):
     """geometry.py hessian --density: the SLQ quadrature of each run [(nodes, weights)], averaged, each node a
-    Gaussian of std 1/200 of the range (hessian.density_curve; PyHessian smooths the same way); log density."""
+    Gaussian of std 1/200 of the range (matfree.density_curve; PyHessian smooths the same way); log density."""
     nodes, weights = torch.cat([n for n, _ in runs]).double(), torch.cat([w for _, w in runs]).double() / len(runs)
     lo, hi = nodes.min().item(), nodes.max().item()
     pad = 0.05 * (hi - lo) + 1e-12
     grid = torch.linspace(lo - pad, hi + pad, bins, dtype=torch.float64)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.semilogy(grid, hessian.density_curve(nodes, weights, grid, (hi - lo) / 200 + 1e-12).clamp_min(1e-12))
+    ax.semilogy(grid, matfree.density_curve(nodes, weights, grid, (hi - lo) / 200 + 1e-12).clamp_min(1e-12))
     ax.set(xlabel='eigenvalue', ylabel='density (log)', title='Hessian spectral density (SLQ)')
     save_figure(fig, path)

@@ -10,7 +10,6 @@ import itertools
 import math
 import os
 import shlex
-import statistics
 import sys
 import time
 
@@ -22,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchvision.datasets.folder import find_classes
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
+import anchors
 import convmixer
 import data
 import figures
@@ -187,16 +187,18 @@ def filter_normalized_directions(model, generator):
     return dirs
 
 
-def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, noise_device='cpu', *, progress=None):
+def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, noise_device='cpu', directions=None,
+                   *, progress=None):
     """The loss at w + a d1 (+ b d2) on `steps` points per axis in [-span, span], filter-normalised
     directions from `seed` (the same seed draws the same Gaussians for two models of one architecture).
     Eval mode; the model's weights are never touched (functional_call). Returns (coords (steps,),
     losses (steps,) or (steps, steps) indexed [a, b]). noise_device: where the Gaussians are drawn (a CUDA
-    generator: the same distribution, other numbers than the CPU's; the CPU default draws the same on every device)."""
+    generator: the same distribution, other numbers than the CPU's; the CPU default draws the same on every device).
+    directions: `dims` given directions instead (a tensor per parameter each: hessian_directions)."""
     if dims not in (1, 2):
         raise ValueError(f'dims must be 1 or 2, got {dims}')
     gen = torch.Generator(noise_device).manual_seed(seed)
-    dirs = [filter_normalized_directions(model, gen) for _ in range(dims)]
+    dirs = directions or [filter_normalized_directions(model, gen) for _ in range(dims)]
     # span * (2i - (steps - 1)) / (steps - 1) in float64: the middle point is exactly 0 (float32 linspace gave
     # -1.5e-8 there), and the grid is symmetric
     coords = torch.arange(steps, dtype=torch.float64).mul(2).sub(steps - 1).div(max(steps - 1, 1)).mul(span)
@@ -211,6 +213,22 @@ def loss_landscape(model, loss_fn, batches, dims=1, steps=21, span=1.0, seed=0, 
             if progress and (k + 1) % steps == 0:
                 progress(f'landscape {k + 1}/{steps ** dims} points | {time.time() - start:.0f} s')
     return coords, losses
+
+
+def hessian_directions(model, path, dims):
+    """The first `dims` eigenvectors of `hessian --save-vectors` (PATH/hessian_vectors.pt, unit vectors over the
+    trainable parameters: the top of the spectrum first), a tensor per parameter each (zero where not measured)."""
+    try:
+        saved = torch.load(path, map_location='cpu', weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise UserError(f'--directions {path}: {one_line(e)}; pass the hessian_vectors.pt of hessian --save-vectors')
+    named = dict(model.named_parameters())
+    if set(saved['names']) - set(named) or len(saved['vectors']) < dims:
+        raise UserError(f'--directions {path}: its {len(saved["vectors"])} eigenvectors are not of this model\'s '
+                        f'parameters or fewer than --dims {dims} (hessian --top-k {dims} --save-vectors on it)')
+    sizes = [named[k].numel() for k in saved['names']]
+    return [[dict(zip(saved['names'], v.split(sizes))).get(k, torch.zeros(p.numel())).view_as(p).to(p)
+             for k, p in named.items()] for v in saved['vectors'][:dims]]
 
 
 def average_flatness(model, loss_fn, batches, sigma, samples, seed=0, noise_device='cpu', *, progress=None):
@@ -380,8 +398,18 @@ def get_args(argv=None):
     h = subs['hessian']
     h.add_argument('--top-k', type=int, default=1, help='largest algebraic eigenvalues, by Lanczos; the first is the '
                    "paper's lambda_max")
-    h.add_argument('--trace', type=int, nargs='?', const=100, default=0, metavar='PROBES', help='also tr H by '
-                   'Hutchinson with PROBES Rademacher vectors (PyHessian: 100), with its standard error')
+    h.add_argument('--trace', type=int, nargs='?', const=100, default=0, metavar='PRODUCTS', help='also tr H from '
+                   'PRODUCTS Hessian-vector products (PyHessian: 100) by --trace-estimator, with its standard error')
+    h.add_argument('--trace-estimator', default='xtrace', choices=['xtrace', 'hutchinson', 'hutchpp'], help='xtrace: '
+                   'Epperly, Tropp & Webber 2024, a smaller error than Hutchinson at equal products (docs/geometry.md)')
+    h.add_argument('--bottom-k', type=int, default=0, help='also the K smallest algebraic eigenvalues (lambda_min, '
+                   'and |lambda_min| / lambda_max), by a second Lanczos run')
+    h.add_argument('--curvature', default='hessian', choices=['hessian', 'ggn'], help='ggn: the Gauss-Newton matrix '
+                   'of the cross-entropy, J^T H_out J (positive semi-definite) instead of the Hessian')
+    h.add_argument('--save-vectors', action='store_true', help='also write the eigenvectors of --top-k (and '
+                   '--bottom-k) to OUT/hessian_vectors.pt (the first repeat, all parameters): landscape --directions')
+    h.add_argument('--vectors-per-call', type=int, default=1, metavar='K', help='--trace and --density multiply K '
+                   'vectors per call, through one (vmapped) backward: more memory, fewer passes')
     h.add_argument('--density', type=int, nargs='?', const=1, default=0, metavar='PROBES', help='also the spectral '
                    'density by stochastic Lanczos quadrature, PROBES runs of --iters steps (PyHessian: 1 of 100)')
     h.add_argument('--blocks', action='store_true', help='each of these for each block too (param_blocks)')
@@ -391,9 +419,10 @@ def get_args(argv=None):
     h.add_argument('--tol', type=float, default=1e-4, help='stop at residual ||Hv - lambda v|| <= tol |lambda|')
     h.add_argument('--hvp', default='auto', choices=['auto', 'reverse', 'cached', 'forward'], help='hessian.'
                    "hvp_operator's mode; auto: cached for one batch, else reverse (README: measured)")
-    h.add_argument('--compare', action='store_true', help='HVPs and seconds to lambda_max within 1e-4: Lanczos, '
-                   'power iteration and PyHessian 0.1 (pip install pyhessian; these two converge to the largest-'
-                   "magnitude eigenvalue, which may be another), the first repeat's images as one batch")
+    h.add_argument('--compare', nargs='*', choices=['pyhessian', 'curvlinops', 'eigenthings'], metavar='LIBRARY',
+                   help='HVPs and seconds to lambda_max within 1e-4: Lanczos, power iteration and PyHessian 0.1 '
+                   '(these two converge to the largest-magnitude eigenvalue, which may be another); with LIBRARY '
+                   'names each side by side (anchors.py); the first repeat\'s images as one batch')
     subs['ntk'].add_argument('--reduce', default='trace', choices=['trace', 'sum', 'full'], help='trace: sum of '
                              'per-class kernels; sum: of the summed logits (TE-NAS, AsViT); full: (nC x nC)')
     subs['ntk'].add_argument('--chunk', type=int, default=0, help='images per Jacobian chunk; 0 = as many as fit the '
@@ -403,6 +432,8 @@ def get_args(argv=None):
     subs['landscape'].add_argument('--dims', type=int, default=2, choices=[1, 2])
     subs['landscape'].add_argument('--steps', type=int, default=21, help='grid points per direction')
     subs['landscape'].add_argument('--span', type=float, default=1.0, help='coordinates in [-span, span]')
+    subs['landscape'].add_argument('--directions', metavar='PATH', help="hessian --save-vectors' hessian_vectors.pt: "
+                                   'along the top --dims eigenvectors (unit, in weight units) instead of random ones')
     subs['flatness'].add_argument('--sigma', type=float, nargs='+', default=[0.01, 0.02, 0.05], help='noise std')
     subs['flatness'].add_argument('--samples', type=int, default=20, help='Monte-Carlo draws per sigma')
     for name in ('landscape', 'flatness'):
@@ -412,12 +443,16 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     has = lambda *keys: [k for k in keys if hasattr(args, k)]  # noqa: E731  (each sub-command has some of them)
     sized = ['batch_size'] if args.command == 'hessian' else []  # (0: sized from the free memory)
-    check_ranges(args, has('images', 'iters', 'top_k', 'repeats', 'samples', 'maps', 'span',
-                           *{'batch_size'} - set(sized)), has('chunk', 'tol', 'trace', 'density', *sized), {})
+    check_ranges(args, has('images', 'iters', 'top_k', 'repeats', 'samples', 'maps', 'span', 'vectors_per_call',
+                           *{'batch_size'} - set(sized)),
+                 has('chunk', 'tol', 'trace', 'density', 'bottom_k', *sized), {})
     check_shared_ranges(args, 'img_size', 'seed')
     if getattr(args, 'steps', 3) < 3 or getattr(args, 'steps', 3) % 2 == 0 or not all(
             math.isfinite(v) and v >= 0 for v in getattr(args, 'sigma', [])):  # (an even grid has no point at 0)
         raise UserError('--steps must be odd and >= 3 (a grid through 0) and --sigma finite and >= 0')
+    least = dict(xtrace=4, hutchpp=6).get(getattr(args, 'trace_estimator', ''), 1)  # 2 test vectors / probes each
+    if 0 < getattr(args, 'trace', 0) < least:
+        raise UserError(f'--trace {args.trace}: --trace-estimator {args.trace_estimator} needs >= {least} products')
     if getattr(args, 'repeats', 1) > args.images:  # H08: refused before any measurement, not at the first empty one
         raise UserError(f'--repeats {args.repeats} needs --images >= {args.repeats} (an image each), got {args.images}')
     args.flags = {k: v for k, v in vars(args).items() if k not in ('out', 'overwrite')}  # as asked, into the JSON
@@ -467,8 +502,8 @@ def main(argv=None):
     if proc.ddp and args.command not in SHARDED:
         raise UserError(f'{args.command} runs in one process (python geometry.py {args.command} ...); under '
                         f'torchrun only {", ".join(SHARDED)} split their images')
-    if getattr(args, 'compare', False):  # H26: checked before any measurement, not after it
-        pyhessian_api(proc.world)
+    if getattr(args, 'compare', None) is not None:  # H26: checked before any measurement, not after it
+        anchors.require(*args.compare or ['pyhessian'], world=proc.world)
     if proc.world > args.images:
         raise UserError(f'--images {args.images} < {proc.world} processes: give each process an image at least')
     path = os.path.join(args.out, f'{args.command}.json')
@@ -502,7 +537,8 @@ def main(argv=None):
 def mean_std(reps):  # {k_mean, k_std} over repeats (std with n - 1) of lambda_max, the trace and each eigenvalue
     out, k = {}, min(len(r['eigenvalues']) for r in reps)
     for key, vals in [('lambda_max', [r['lambda_max'] for r in reps]), ('eigenvalues', [r['eigenvalues'][:k] for r in
-                      reps]), *([('trace', [r['trace'] for r in reps])] if 'trace' in reps[0] else [])]:
+                      reps]), *[(key, [r[key] for r in reps]) for key in ('trace', 'lambda_min', 'lambda_min_over_max')
+                                if key in reps[0]]]:
         t = torch.tensor(vals, dtype=torch.float64)
         out.update({f'{key}_mean': t.mean(0).tolist(), f'{key}_std': t.std(0).tolist()})
     return out
@@ -524,14 +560,25 @@ def measure_hessian(args, proc, model, loads, n, size, log):
         for name, params in blocks:
             try:  # (a checkpoint whose loss is not finite, say)
                 r = hessian_spectrum(model, F.cross_entropy, batches, params, min(top_k, count[name]), args.iters,
-                                     args.tol, args.trace, args.density, args.seed + j, hvp, progress=log)
+                                     args.tol, args.trace, args.density, args.seed + j, hvp, bottom_k=args.bottom_k,
+                                     curvature=args.curvature, vectors=args.save_vectors and name == 'all' and j == 0,
+                                     batch=args.vectors_per_call, trace_estimator=args.trace_estimator, progress=log)
             except ValueError as e:  # hessian.py's arguments are checked here: what it refuses is in the model or data
                 raise UserError(f'hessian ({name}): {e}')
+            vectors = {k: r.pop(k).float().cpu() for k in ('vectors', 'bottom_vectors') if k in r}  # (unit rows)
+            if vectors and proc.master:  # the first repeat's, for landscape --directions
+                save_atomic(os.path.join(args.out, 'hessian_vectors.pt'), dict(
+                    vectors, names=[k for k, p in model.named_parameters() if p.requires_grad],
+                    curvature=args.curvature, eigenvalues=r['eigenvalues'],
+                    bottom_eigenvalues=r.get('bottom_eigenvalues')))
             rep.update(r) if name == 'all' else rep.setdefault('blocks', {}).update({name: r})
             # M03 (issue 34): a value --iters ended before its residual reached --tol |lambda| says so (converged: the
             # residual rule, or all count[name] products: then Lanczos is exact and more --iters cannot help)
             proc.log(f"  repeat {j + 1}/{len(loads)} | {name:24s} lambda_max {r['lambda_max']:.6g} ({r['products']} "
-                     'HVPs)' + (f" | trace {r['trace']:.6g} +- {r['trace_se']:.2g} (s.e.)" if args.trace else '')
+                     'HVPs)' + (f" | lambda_min {r['lambda_min']:.6g}, |lambda_min| / lambda_max "
+                                f"{r['lambda_min_over_max']:.3g}" if args.bottom_k else '')
+                     + (f" | trace {r['trace']:.6g} +- {r['trace_se']:.2g} (s.e., {args.trace_estimator})"
+                        if args.trace else '')
                      + f' (NOT converged: --iters {args.iters} ended it before a residual <= --tol |lambda|; raise '
                      '--iters)' * (not r['converged']))
         reps.append(rep)
@@ -543,105 +590,18 @@ def measure_hessian(args, proc, model, loads, n, size, log):
     if args.density and proc.master:
         figures.spectral_density([(torch.tensor(r['density']['nodes']), torch.tensor(r['density']['weights']))
                                   for r in reps], os.path.join(args.out, 'hessian_density.png'))
-    if args.compare:
-        out['compare'] = compare_hessian(model, *(t.to(proc.device) for t in loads[0]), args.seed, proc.log,
-                                         args.iters)
+    if args.compare is not None:  # (bare: PyHessian's power iteration and per-product time; named: anchors.py)
+        xy = [t.to(proc.device) for t in loads[0]]
+        out['compare'] = (anchors.compare(model, *xy, args.compare, args.seed, max(args.trace, 100), say=proc.log)
+                          if args.compare else anchors.to_lambda_max(model, *xy, args.seed, proc.log, args.iters))
     stopped = sorted({name for r in reps for name, b in [('all', r), *r.get('blocks', {}).items()]
                       if not b['converged']})
-    return dict(out, top_k=top_k, iters=args.iters, tol=args.tol, note='eigenvalues: the --top-k largest '
-                'algebraic (Lanczos, full reorthogonalisation; lambda_max the first)' + f' (--top-k {args.top_k}: '
-                'all there are)' * (top_k < args.top_k) + '; trace: Hutchinson (Rademacher), trace_se its standard '
-                'error; density: SLQ nodes and weights; repeats: disjoint image subsets'
-                + f'; NOT converged ({", ".join(stopped)}): --iters came before --tol' * bool(stopped))
-
-
-def pyhessian_api(world=1):  # PyHessian 0.1's hessian class and product (requirements-test.txt's oracle), imported here
-    if world > 1:
-        raise UserError('--compare runs in one process (PyHessian cannot split the images)')
-    try:
-        from pyhessian import hessian
-        from pyhessian.utils import hessian_vector_product
-    except ImportError:
-        raise UserError('--compare needs PyHessian 0.1: pip install pyhessian==0.1 (requirements-test.txt)')
-    return hessian, hessian_vector_product
-
-
-def compare_hessian(model, x, y, seed, say, most=100, reach=1e-4, reps=15):
-    """`hessian --compare`: products and seconds until each is within `reach` (relative) of the eigenvalue it converges
-    to (by Lanczos to a residual of 1e-10): Lanczos to lambda_max; power iteration and PyHessian 0.1's eigenvalues()
-    to the largest in magnitude (H29: another where a negative one is larger); the same model, images (one batch, as
-    PyHessian's single-batch path and our 'cached' mode) and start vector (start_vector(seed) draws what PyHessian
-    draws after torch.manual_seed(seed)). Per product: after a warm-up, `reps` timings of each, interleaved in
-    alternating order, in CPU seconds of this process (process_time: what other jobs inflate least): the median, the
-    best, and the median ratio of neighbouring timings (ours / PyHessian's: a drift of the load cancels). CUDA: wall."""
-    PyHessian, hessian_vector_product = pyhessian_api()
-    params, rows, cuda = [p for p in model.parameters() if p.requires_grad], {}, x.is_cuda
-
-    def clock():  # (CPU seconds, wall seconds) now
-        if cuda:
-            torch.cuda.synchronize(x.device)
-        wall = time.perf_counter()
-        return wall if cuda else time.process_time(), wall
-
-    since = lambda t0, t1: (t1[0] - t0[0], t1[1] - t0[1])  # noqa: E731 (CPU, wall) seconds between two clocks
-    with evaluating(model):
-        t0 = clock()
-        matvec, _ = hessian.hvp_operator(model, F.cross_entropy, [(x, y)], params, 'cached')
-        build, v0 = since(t0, clock()), hessian.start_vector(params, seed)
-        # the references: the largest algebraic (lambda_max) and in magnitude (the first is also our warm-up)
-        ref, ref_lm = (hessian.lanczos(matvec, v0, 1, 300, 1e-10, which)['eigenvalues'][0] for which in ('LA', 'LM'))
-        near = lambda e, want: abs(e - want) <= reach * abs(want)  # noqa: E731
-        for name, run in (('Lanczos', lambda log: hessian.lanczos(matvec, v0, 1, most, reach, progress=log)['history']),
-                          ('power iteration', lambda log: hessian.power_iteration(  # (runs on past the reach)
-                              matvec, v0, most, reach / 100, progress=log)[2])):
-            stamps, t0, want = [], clock(), ref if name == 'Lanczos' else ref_lm
-            history = run(lambda msg: stamps.append(since(t0, clock())))
-            k = next((i for i, e in enumerate(history) if near(e, want)), None)
-            rows[name] = dict(hvps=None if k is None else k + 1, seconds=None if k is None else build[1] + stamps[k][1],
-                              cpu_seconds=None if k is None else build[0] + stamps[k][0], reference=want,
-                              s_per_step=stamps[-1][0] / len(stamps), lambda_max=history[-1 if k is None else k])
-        steps = rows['power iteration']['hvps'] or most  # the same iteration from the same start: as many products
-        with sdpa_kernel(SDPBackend.MATH):  # (the fused attention has no double backward)
-            t0 = clock()
-            ph = PyHessian(model, F.cross_entropy, data=(x, y), cuda=cuda)
-            t1 = clock()
-            v = [t.view_as(p).to(p.dtype) for t, p in zip(v0.split([p.numel() for p in params]), params)]
-            hessian_vector_product(ph.gradsH, ph.params, v)  # its warm-up, outside its times
-            torch.manual_seed(seed)  # its start vector: randn per parameter
-            t2 = clock()
-            lam = ph.eigenvalues(maxIter=steps, tol=0.0)[0][0]  # tol 0: exactly `steps` products
-            run = since(t2, clock())
-        reached, first = near(lam, ref_lm), since(t0, t1)
-        rows['PyHessian 0.1'] = dict(hvps=steps if reached else None, seconds=first[1] + run[1] if reached else None,
-                                     cpu_seconds=first[0] + run[0] if reached else None, s_per_step=run[0] / steps,
-                                     lambda_max=lam, ran=steps, reference=ref_lm)  # (else: after `steps` products)
-        products = {'ours': lambda: matvec(v0),
-                    'PyHessian 0.1': lambda: hessian_vector_product(ph.gradsH, ph.params, v)}
-        times = {k: [] for k in products}
-        for r in range(reps):
-            for k in list(products)[::1 if r % 2 else -1]:  # alternating order: neither always first
-                t0 = clock()
-                products[k]()
-                times[k].append(since(t0, clock()))
-        model.zero_grad(set_to_none=True)  # PyHessian leaves the create_graph gradient (and its graph) in .grad
-    for name, r in rows.items():
-        ts = times['PyHessian 0.1' if name == 'PyHessian 0.1' else 'ours']
-        r.update(s_per_hvp=statistics.median(t[0] for t in ts), wall_per_hvp=statistics.median(t[1] for t in ts),
-                 best_s_per_hvp=min(t[0] for t in ts))
-        hvps = r['hvps'] or f"> {r.get('ran', most)}"  # (PyHessian: the products of our power iteration)
-        say(f"  compare | {name:16s} | {hvps} HVPs | {r['seconds'] or math.nan:.2f} s "
-            f"({r['cpu_seconds'] or math.nan:.2f} s CPU) to its lambda within {reach:g} | per step "
-            f"{r['s_per_step']:.3f} s CPU | per HVP {r['s_per_hvp']:.3f} s CPU, {r['wall_per_hvp']:.3f} s wall "
-            f"(median of {reps}; best {r['best_s_per_hvp']:.3f}) | lambda {r['lambda_max']:.8g} (reference "
-            f"{r['reference']:.8g})")
-    if not near(ref_lm, ref):
-        say(f'  compare | power iteration and PyHessian converge to the largest-magnitude eigenvalue {ref_lm:.8g}, '
-            f"not to lambda_max {ref:.8g} (the largest algebraic, Lanczos's): their HVPs count to {ref_lm:.8g}")
-    ratio = statistics.median([a[0] / b[0] for a, b in zip(times['ours'], times['PyHessian 0.1'])])  # paired
-    say(f'  compare | per HVP, ours / PyHessian (CPU seconds of neighbouring timings): median ratio {ratio:.3f}')
-    return dict(reference=ref, reference_magnitude=ref_lm, reach=reach, rows=rows, images=len(x), reps=reps,
-                threads=torch.get_num_threads(), ours_over_pyhessian=ratio,
-                clock='wall (CUDA)' if cuda else 'process_time: CPU seconds of every thread of this process')
+    return dict(out, top_k=top_k, iters=args.iters, tol=args.tol, note=f'{args.curvature}: eigenvalues: the '
+                '--top-k largest algebraic (Lanczos, full reorthogonalisation; lambda_max the first)' + f' (--top-k '
+                f'{args.top_k}: all there are)' * (top_k < args.top_k) + '; bottom_: the --bottom-k smallest; trace: '
+                f'{args.trace_estimator}, trace_se its standard error; density: SLQ nodes and weights; repeats: '
+                'disjoint image subsets' + f'; NOT converged ({", ".join(stopped)}): --iters came before --tol'
+                * bool(stopped))
 
 
 def measure(args, proc, model, info, path, drawn):
@@ -694,10 +654,13 @@ def measure(args, proc, model, info, path, drawn):
                     'layers' * drawn + '; the head is all zeros: a collapsed kernel, the Gram of its features' * zero)
         say(f'  NTK kappa ({args.reduce}) {kappa:.6g} = {eig[-1]:.4g} / {eig[0]:.4g} | {info["note"]}')
     elif args.command == 'landscape':
+        dirs = hessian_directions(model, args.directions, args.dims) if args.directions else None
         coords, losses = loss_landscape(model, F.cross_entropy, batches, args.dims, args.steps, args.span, args.seed,
-                                        noise, progress=log)
-        info.update(dims=args.dims, coords=coords.tolist(), loss=losses.tolist(), note='filter-normalised Gaussian '
-                    "directions (Li et al. 2018), 1-D parameters not moved (ignore='biasbn')")
+                                        noise, dirs, progress=log)
+        info.update(dims=args.dims, coords=coords.tolist(), loss=losses.tolist(), directions=args.directions,
+                    note=f'the top {args.dims} eigenvectors of {args.directions} (unit vectors)' if dirs else
+                    "filter-normalised Gaussian directions (Li et al. 2018), 1-D parameters not moved "
+                    "(ignore='biasbn')")
         say(f'  loss at the origin {losses[(args.steps // 2,) * args.dims]:.4f}, largest {losses.max():.4f}')
         if proc.master:
             figures.landscape(args.model, coords, losses, args.out)

@@ -1,25 +1,27 @@
-"""The curvature of a loss: Hessian-vector products and what they buy. Copy this file; it needs only torch.
+"""The curvature of a loss: Hessian-vector products and what they buy. Copy it with matfree.py (the algorithms on
+any symmetric operator: 570 lines in one file read worse than two of 270 and 320); both need only torch.
 
     H v           hvp_operator: the exact product, by double backward (Pearlmutter 1994), batches weighted by size,
-                  summed over torchrun's processes (one all-reduce of a flat vector per product)
-    lambda_max    power_iteration (PyHessian's), lanczos (top-k, full reorthogonalisation, residual stopping rule)
-    tr H          hutchinson (Rademacher probes, with its standard error), hutchpp (Meyer et al. 2021)
-    density       slq: stochastic Lanczos quadrature (Ghorbani, Krishnan & Xiao, ICML 2019; PyHessian's `density`)
+                  summed over torchrun's processes (one all-reduce of a flat vector per product); k vectors at once
+                  through one vmapped backward (one all-reduce for the k)
+    G v           ggn_operator: the Gauss-Newton matrix of the cross-entropy, J^T H_out J (Schraudolph 2002)
+    spectrum      hessian_spectrum: through matfree.py (beside this file): lambda_max and the top-k
+                  by Lanczos, the bottom ('SA'), eigenvectors, tr H (XTrace, Hutchinson, Hutch++), the density (SLQ)
 
-Every vector is a flat float64 tensor of the (block's) parameters, in model.parameters() order, on their device;
-the products run in the parameters' dtype and are accumulated in float64. The operators work on any symmetric
-`matvec` (a function of one flat vector), so each algorithm is testable against an explicit matrix. Every public
+Every vector is a flat float64 tensor of the (block's) parameters, in model.parameters() order, on their device
+(k of them: the rows of a (k, P) tensor); the products run in the parameters' dtype and are accumulated in
+float64. An operator is a function of a flat vector, so scipy takes it as a LinearOperator in three lines
+(docs/geometry.md) and matfree's algorithms are testable against an explicit matrix. Every public
 function checks its arguments: a mistake is a ValueError / TypeError naming it, never a number computed from nothing."""
 import contextlib
 import functools
-import math
-import numbers
-import time
 
 import torch
 import torch.distributed as dist
-from torch.func import functional_call, grad, jvp
+from torch.func import functional_call, grad, jvp, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from matfree import check_int, check_real, hutchinson, hutchpp, lanczos, power_iteration, slq, xtrace
 
 
 def all_sum(t):  # t summed over torchrun's processes, in place (each holds a slice of the images), else t
@@ -54,8 +56,7 @@ def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
     if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
         raise TypeError('batches must be an iterable of (x, y) pairs')
     batches = [(x, y) for x, y in batches if len(x)]  # (an empty batch weighs 0: its mean loss would be nan)
-    sizes, dev = [p.numel() for p in params], params[0].device
-    dtype = functools.reduce(torch.promote_types, {p.dtype for p in params})  # v in it once, not per parameter
+    dev = params[0].device
     n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64, device=dev)).item()
     if not n:  # (n, and each count below, summed over the processes: every process raises alike)
         raise ValueError('no images in batches' + ' of any process' * (dist.is_available() and dist.is_initialized()))
@@ -80,39 +81,91 @@ def hvp_operator(model, loss_fn, batches, params=None, mode='reverse'):
     if not used:
         raise ValueError('the loss does not depend on params: model(x) uses none of them (their Hessian is 0)')
     if mode == 'forward':
-        names = {id(p): k for k, p in model.named_parameters()}
-        keys, rest = [names[id(p)] for p in params], {k: p.detach() for k, p in model.named_parameters()}
-        rest.update(model.named_buffers())
+        f, w0 = functional(model, params)
 
     def batch_hvp(x, y, u, grads=None):  # this batch's (weighted) H u, a tuple per parameter (None: zero)
+        k = u[0].dim() > params[0].dim()  # u holds k vectors (a leading dim): through one vmapped backward
         if mode == 'forward':
-            def g(*w):  # the weighted gradient as a function of the block's weights
-                loss = lambda *w: loss_fn(functional_call(model, {**rest, **dict(zip(keys, w))}, (x,)), y)  # noqa
-                return grad(loss, argnums=tuple(range(len(w))))(*w)
-            return tuple(h * (len(x) / n) for h in jvp(g, tuple(p.detach() for p in params), tuple(u))[1])
+            g = grad(lambda *w: loss_fn(f(x, *w), y), argnums=tuple(range(len(w0))))  # the gradient in the weights
+            hvp = lambda *t: jvp(g, w0, t)[1]  # noqa: E731
+            return tuple(h * (len(x) / n) for h in (vmap(hvp)(*u) if k else hvp(*u)))
         if grads is None:
             grads = torch.autograd.grad(loss_fn(model(x), y) * (len(x) / n), params, create_graph=True,
                                         allow_unused=True)
         pairs = [(g, v) for g, v in zip(grads, u) if g is not None and g.requires_grad]
         if not pairs:  # the gradient does not depend on these weights: H u = 0
             return [None] * len(params)
+        # k vectors: is_grads_batched vmaps the backward of the gradient's graph (right with LayerNorm, unlike a
+        # vmapped jacrev: tested against the fp64 Hessian, tests/test_curvature.py)
         return torch.autograd.grad([g for g, _ in pairs], params, grad_outputs=[v for _, v in pairs],
-                                   retain_graph=mode == 'cached', allow_unused=True)
+                                   retain_graph=mode == 'cached', allow_unused=True, is_grads_batched=k)
+
+    return flat_operator(model, params, lambda u: ((batch_hvp(None, None, u, g) for g in cached) if mode == 'cached'
+                                                   else (batch_hvp(x, y, u) for x, y in batches)))
+
+
+def flat_operator(model, params, products):
+    """-> (matvec, P): matvec(v) for one flat vector v (P,) or k of them as the rows of (k, P), from products(u):
+    an iterable of per-batch tuples (a tensor with u's leading dims, or None for zero, per parameter) of the
+    vectors u as tensors per parameter; summed in float64 over the batches and torchrun's processes (one all-reduce
+    of the flat result per call: for k vectors, one for all k)."""
+    sizes, dev = [p.numel() for p in params], params[0].device
+    dtype = functools.reduce(torch.promote_types, {p.dtype for p in params})  # v in it once, not per parameter
 
     def matvec(v):
-        out, u = None, [t.view_as(p).to(p.dtype) for t, p in zip(v.to(dtype).split(sizes), params)]
-        with sdpa_kernel(SDPBackend.MATH), eval_mode(model):
-            for hv in ((batch_hvp(None, None, u, g) for g in cached) if mode == 'cached' else
-                       (batch_hvp(x, y, u) for x, y in batches)):
-                flat = torch.cat([p.new_zeros(p.numel()) if h is None else h.flatten() for h, p in zip(hv, params)])
+        lead = v.shape[:-1]
+        u = [t.reshape(*lead, *p.shape).to(p.dtype) for t, p in zip(v.to(dtype).split(sizes, -1), params)]
+        out = None
+        with sdpa_kernel(SDPBackend.MATH), eval_mode(model):  # the fused attention has no double backward, nor jvp
+            for hv in products(u):
+                flat = torch.cat([p.new_zeros(*lead, p.numel()) if h is None else h.reshape(*lead, -1)
+                                  for h, p in zip(hv, params)], -1)
                 # float64 across batches: each batch's product is exact to its dtype's rounding, and so stays
                 # their sum (fp32 partial sums over many batches would add a rounding per batch)
                 out = flat.double() if out is None else out.add_(flat)
         if out is None:  # no images in this process
-            out = torch.zeros(sum(sizes), dtype=torch.float64, device=dev)
-        return all_sum(out)  # one flat tensor per product
+            out = torch.zeros(*lead, sum(sizes), dtype=torch.float64, device=dev)
+        return all_sum(out)
 
     return matvec, sum(sizes)
+
+
+def functional(model, params):
+    """(f, w): f(x, *w) the model's output on x with `params` replaced by w (the other weights and the buffers as
+    they are), w those parameters detached: what torch.func differentiates."""
+    names = {id(p): k for k, p in model.named_parameters()}
+    keys, rest = [names[id(p)] for p in params], {k: p.detach() for k, p in model.named_parameters()}
+    rest.update(model.named_buffers())
+    return lambda x, *w: functional_call(model, {**rest, **dict(zip(keys, w))}, (x,)), tuple(p.detach() for p in params)
+
+
+def ggn_operator(model, batches, params=None):
+    """-> (matvec, P) as hvp_operator's, for the generalised Gauss-Newton matrix of the mean cross-entropy over
+    `batches` (Schraudolph 2002; Martens, JMLR 2020, Sec. 8.1): G = 1/N sum_n J_n^T (diag(p_n) - p_n p_n^T) J_n,
+    J_n the Jacobian of image n's logits in `params`, p_n their softmax (the middle factor: the cross-entropy's
+    Hessian in the logits, whatever the label). H without the curvature of the network itself: positive
+    semi-definite, H itself for a linear model. Per batch and product J v by forward mode (torch.func.jvp), then
+    H_out, then J^T by a backward (torch.func.vjp): no Jacobian is stored. k vectors: vmapped over them (a first
+    derivative: the vmapped LayerNorm backward is right there, unlike a vmapped jacrev of a gradient). Eval mode."""
+    params, batches = trainable(model, params), list(batches)
+    if not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
+        raise TypeError('batches must be an iterable of (x, y) pairs (y unused: G does not depend on the labels)')
+    n = all_sum(torch.tensor(float(sum(len(x) for x, _ in batches)), dtype=torch.float64,
+                             device=params[0].device)).item()
+    if not n:
+        raise ValueError('no images in batches' + ' of any process' * (dist.is_available() and dist.is_initialized()))
+    f, w0 = functional(model, params)
+
+    def batch_ggn(x, u):  # sum over this batch's images of J_n^T H_out J_n u, / N
+        logits, back = vjp(lambda *w: f(x, *w), *w0)
+        p = logits.detach().softmax(-1)
+
+        def ggn(*t):
+            ju = jvp(lambda *w: f(x, *w), w0, t)[1]
+            return back((p * ju - p * (p * ju).sum(-1, keepdim=True)) / n)
+        return vmap(ggn)(*u) if u[0].dim() > params[0].dim() else ggn(*u)
+
+    return flat_operator(model, params, lambda u: (batch_ggn(x, u) for x, _ in batches if len(x)))
 
 
 def start_vector(params, seed=0):
@@ -126,105 +179,7 @@ def start_vector(params, seed=0):
     return (v / v.norm()).to(params[0].device)
 
 
-# ----------------------------------------------------------------------------- lambda_max
-def power_iteration(matvec, v, iters=100, tol=1e-4, *, progress=None):
-    """PyHessian's (pyhessian/hessian.py `eigenvalues`): v <- Hv / ||Hv||, the Rayleigh quotient v^T H v as the
-    estimate, stop at a relative change |new - old| / (|old| + 1e-6) < tol (PyHessian: 1e-3). Finds the
-    eigenvalue of largest magnitude, sign kept. -> (estimate, products used, the estimates after each product)."""
-    check_vector(v)
-    iters, tol = check_int('iters', iters), check_real('tol', tol)
-    check_progress(progress)
-    eig, history, start, v = None, [], time.time(), v / v.norm()
-    for i in range(iters):
-        hv = matvec(v)
-        norm, new = torch.stack([hv.norm(), hv @ v]).tolist()  # one read per product; ||v|| = 1
-        check_finite(norm + new, f'H v at product {i + 1}')
-        if norm == 0:  # H v = 0 for a random v: this block of the Hessian is 0 (e.g. behind a zero head)
-            return 0.0, i + 1, history + [0.0]
-        change = abs(new - eig) / (abs(eig) + 1e-6) if eig is not None else float('inf')
-        eig, v = new, hv / norm
-        history.append(eig)
-        if progress:
-            progress(f'power iteration {i + 1}/{iters} | lambda {eig:.6g} | rel. change {change:.1e} '
-                     f'| {time.time() - start:.0f} s')
-        if change < tol:
-            break
-    return eig, len(history), history
-
-
-def tridiagonal(alpha, beta):  # T: alpha on the diagonal, beta beside it; float64, on the CPU
-    if not len(alpha) or len(beta) != len(alpha) - 1:
-        raise ValueError(f'tridiagonal needs n >= 1 diagonal and n - 1 off-diagonal entries, got {len(alpha)} and '
-                         f'{len(beta)}')
-    a, b = torch.tensor(alpha, dtype=torch.float64), torch.tensor(beta, dtype=torch.float64)
-    return torch.diag(a) + torch.diag(b, 1) + torch.diag(b, -1)
-
-
-# which: the Ritz values wanted, first the largest of this key ('LA' algebraic, 'LM' magnitude)
-WHICH = {'LA': lambda theta: theta, 'LM': lambda theta: theta.abs()}
-
-
-def lanczos(matvec, v, k=1, steps=100, tol=1e-4, which='LA', basis_dtype=torch.float64, *, progress=None):
-    """The k extreme eigenvalues by Lanczos with full reorthogonalisation (Golub & Van Loan, Matrix Computations,
-    Alg. 10.1.1 and Sec. 10.3.1; Ghorbani et al. 2019 use the same for the density): after j products,
-    H V_j = V_j T_j + beta_j v_{j+1} e_j^T with T_j tridiagonal; the Ritz values theta_i (eigenvalues of T_j)
-    approximate H's extremes, and the residual of each Ritz pair is exactly ||H y_i - theta_i y_i|| = beta_j |s_ij|
-    (s_ij: the last entry of T_j's i-th eigenvector). Stop when each of the k wanted pairs has a residual
-    <= tol |theta_i| (then |theta_i - lambda| <= tol |theta_i| for some eigenvalue lambda), or at an invariant
-    subspace (beta ~ 0: the Ritz values are eigenvalues; fewer than k if it is smaller), or after `steps` products.
-    which: 'LA' the k largest algebraic (the top of the spectrum: the paper's lambda_max), 'LM' the k largest in
-    magnitude (what power iteration converges to). k <= steps (a product gives one Ritz value) and <= len(v).
-    Memory: the basis, (products + 1) x P of basis_dtype (float64, or float32 for an fp32 model: its products are
-    only fp32-accurate anyway), grown by doubling.
-    -> dict(eigenvalues (k, 'LA' descending / 'LM' by descending magnitude), residuals, products, converged (the
-    stopping rule or an invariant subspace, not `steps`, ended it), history: the wanted first eigenvalue after each
-    product, alpha, beta: T's diagonals)."""
-    check_vector(v)
-    k, steps, tol = check_int('k', k), check_int('steps', steps), check_real('tol', tol)
-    if which not in WHICH:
-        raise ValueError(f'which must be one of {", ".join(map(repr, WHICH))}, got {which!r}')
-    if k > min(steps, len(v)):
-        raise ValueError(f'k = {k} eigenvalues need steps >= k (one Ritz value per product) and a vector of >= k '
-                         f'entries; got steps = {steps}, {len(v)} entries')
-    if basis_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f'basis_dtype must be torch.float32 or torch.float64, got {basis_dtype}')
-    check_progress(progress)
-    rows = min(steps, len(v)) + 1  # the most basis vectors a run can need; allocated as it goes, doubling
-    V = torch.empty(min(rows, 33), len(v), dtype=basis_dtype, device=v.device)  # the basis, a row each
-    V[0], alpha, beta, history, start = v / v.norm(), [], [], [], time.time()
-    for j in range(steps):
-        vj = V[j].double()
-        w = matvec(vj)
-        a = w @ vj
-        for _ in range(2):  # full reorthogonalisation: Gram-Schmidt against the whole basis, twice ("twice is
-            if basis_dtype == torch.float64:  # enough": Giraud, Langou & Rozloznik 2005); this also removes alpha v_j
-                w -= V[:j + 1].T @ (V[:j + 1] @ w)  # and beta v_{j-1}. Classical: two matrix-vector products
-            else:  # modified, coefficients in float64: a float32 matrix product sums in float32 (1e-6 of lambda)
-                for b in V[:j + 1]:
-                    b = b.double()
-                    w -= (b @ w) * b
-        a, b = torch.stack([a, w.norm().double()]).tolist()  # one read per step
-        check_finite(a + b, f'H v at Lanczos step {j + 1}')
-        alpha.append(a)
-        beta.append(b)
-        theta, s = torch.linalg.eigh(tridiagonal(alpha, beta[:-1]))  # ascending
-        order = WHICH[which](theta).argsort(descending=True)[:k]
-        res = (beta[-1] * s[-1, order]).abs()
-        history.append(theta[order[0]].item())
-        done = len(order) == k and bool((res <= tol * theta[order].abs()).all())
-        invariant = beta[-1] <= 1e-12 * theta.abs().max().item() or j + 1 == len(v)
-        if progress:
-            progress(f'Lanczos {j + 1}/{steps} | lambda {history[-1]:.6g} | residual/|lambda| '
-                     f'{res[0].item() / max(abs(history[-1]), 1e-30):.1e} | {time.time() - start:.0f} s')
-        if done or invariant:
-            break
-        if j + 1 == len(V):  # (a run that converges early never holds the basis of --iters steps)
-            V = torch.cat([V, V.new_empty(min(len(V), rows - len(V)), len(v))])
-        V[j + 1] = w / beta[-1]
-    return dict(eigenvalues=theta[order].tolist(), residuals=res.tolist(), products=len(alpha),
-                converged=done or invariant, history=history, alpha=alpha, beta=beta[:-1])
-
-
+# ----------------------------------------------------------------------------- the spectrum
 def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4, seed=0, *, progress=None):
     """The dominant (largest-|lambda|, sign kept) eigenvalue of the Hessian of the mean loss over `batches` by
     PyHessian's power iteration (power_iteration), from start_vector(seed), in eval mode (hvp_operator). (Not finite
@@ -237,141 +192,53 @@ def hessian_eigenvalue(model, loss_fn, batches, params=None, iters=100, tol=1e-4
 
 
 def hessian_spectrum(model, loss_fn, batches, params=None, top_k=1, iters=100, tol=1e-4, trace=0, density=0, seed=0,
-                     hvp='reverse', *, progress=None):
-    """The Hessian of the mean loss over `batches` (params: a diagonal block, param_blocks()), in eval mode
-    (hvp_operator's `hvp` mode): the top_k largest algebraic eigenvalues by Lanczos (residual <= tol |lambda|, at
-    most `iters` products; eigenvalues[0] is the paper's lambda_max), with `trace` Hutchinson probes tr H and its
-    standard error, with `density` SLQ probes of `iters` steps the spectral density's nodes and weights. Probes
-    from `seed`. top_k <= iters and <= the number of parameters (lanczos)."""
+                     hvp='reverse', *, bottom_k=0, vectors=False, curvature='hessian', trace_estimator='hutchinson',
+                     batch=1, progress=None):
+    """The Hessian of the mean loss over `batches` (params: a diagonal block, param_blocks()), eval mode, through
+    hvp_operator (curvature='ggn': the Gauss-Newton matrix of the cross-entropy, ggn_operator, instead): the top_k
+    largest algebraic eigenvalues by Lanczos (residual <= tol |lambda|, at most `iters` products; eigenvalues[0] is
+    the paper's lambda_max), bottom_k > 0 the smallest too (a second Lanczos run, which='SA': lambda_min and
+    |lambda_min| / lambda_max), vectors=True their eigenvectors ((k, P) float64 rows), `trace` products of
+    trace_estimator ('xtrace', 'hutchinson' or 'hutchpp') tr H and its standard error, `density` SLQ probes of
+    `iters` steps the spectral density's nodes and weights. Probes from `seed`; batch: vectors per product call
+    for the trace and the density (one backward each). top_k, bottom_k <= iters and the parameters (lanczos)."""
     top_k, iters, tol = check_int('top_k', top_k), check_int('iters', iters), check_real('tol', tol)
     trace, density, seed = check_int('trace', trace, 0), check_int('density', density, 0), check_int('seed', seed, 0)
+    bottom_k, batch = check_int('bottom_k', bottom_k, 0), check_int('batch', batch)
     if hvp not in HVP_MODES:
         raise ValueError(f"hvp must be 'reverse', 'cached' or 'forward', got {hvp!r}")
+    if curvature not in ('hessian', 'ggn') or trace_estimator not in ('xtrace', 'hutchinson', 'hutchpp'):
+        raise ValueError(f"curvature must be 'hessian' or 'ggn' (got {curvature!r}), trace_estimator 'xtrace', "
+                         f"'hutchinson' or 'hutchpp' (got {trace_estimator!r})")
     params = trainable(model, params)
-    matvec, n = hvp_operator(model, loss_fn, batches, params, hvp)
-    basis = torch.float64 if params[0].dtype == torch.float64 else torch.float32  # (fp16/bf16 models: float32)
-    r = lanczos(matvec, start_vector(params, seed), top_k, iters, tol, basis_dtype=basis, progress=progress)
-    out = dict(lambda_max=r['eigenvalues'][0], eigenvalues=r['eigenvalues'], residuals=r['residuals'],
-               products=r['products'], converged=r['converged'])
+    matvec, n = (ggn_operator(model, batches, params) if curvature == 'ggn' else
+                 hvp_operator(model, loss_fn, batches, params, hvp))
+    v0, out = start_vector(params, seed), dict(curvature=curvature)
+    basis = torch.float64 if params[0].dtype == torch.float64 else torch.float32  # Lanczos' basis, XTrace's blocks
+    # (fp16/bf16 models: float32)
+    for key, which, k in (('', 'LA', top_k), ('bottom_', 'SA', bottom_k)):
+        if k:
+            r = lanczos(matvec, v0, k, iters, tol, which, basis, vectors, progress=progress)
+            out.update({key + k: r[k] for k in ('eigenvalues', 'residuals', 'products', 'vectors') if k in r})
+            out['converged'] = out.get('converged', True) and r['converged']
+    out['lambda_max'] = out['eigenvalues'][0]
+    if bottom_k:
+        out.update(lambda_min=out['bottom_eigenvalues'][0],
+                   lambda_min_over_max=abs(out['bottom_eigenvalues'][0]) / abs(out['lambda_max']))
     if trace:
-        out['trace'], out['trace_se'], _ = hutchinson(matvec, n, trace, seed, params[0].device, progress=progress)
+        dev = params[0].device
+        out['trace'], out['trace_se'] = (
+            xtrace(matvec, n, trace, seed, dev, batch, basis) if trace_estimator == 'xtrace' else
+            hutchpp(matvec, n, trace, seed, dev, batch) if trace_estimator == 'hutchpp' else
+            hutchinson(matvec, n, trace, seed, dev, batch, progress=progress)[:2])
+        out['trace_estimator'] = trace_estimator
     if density:
-        nodes, weights = slq(matvec, n, iters, density, seed, params[0].device)
+        nodes, weights = slq(matvec, n, iters, density, seed, params[0].device, batch=batch)
         out['density'] = dict(nodes=nodes.tolist(), weights=weights.tolist())
     return out
 
 
-# ----------------------------------------------------------------------------- tr H
-def rademacher(n, gen, device):  # +-1 with probability 1/2 each, float64, from a CPU generator (the same everywhere)
-    if not isinstance(gen, torch.Generator):
-        raise TypeError(f'gen must be a torch.Generator, got {type(gen).__name__}')
-    return (torch.randint(0, 2, (check_int('n', n),), generator=gen, dtype=torch.float64) * 2 - 1).to(device)
-
-
-def hutchinson(matvec, n, samples=100, seed=0, device='cpu', *, progress=None):
-    """tr H ~ mean_i z_i^T H z_i, z_i Rademacher (Hutchinson 1990; PyHessian's `trace`): unbiased, variance
-    2 (||H||_F^2 - sum_i H_ii^2) per probe. -> (estimate, its standard error std(z^T H z) / sqrt(samples), inf for
-    one sample; the samples)."""
-    samples, seed = check_int('samples', samples), check_int('seed', seed, 0)
-    check_progress(progress)
-    gen, vals = torch.Generator().manual_seed(seed), []
-    for i in range(samples):
-        z = rademacher(n, gen, device)
-        vals.append((z @ matvec(z)).item())
-        check_finite(vals[-1], f'z^T H z of probe {i + 1}')
-        if progress:
-            progress(f'Hutchinson {i + 1}/{samples} | trace {sum(vals) / len(vals):.6g}')
-    t = torch.tensor(vals, dtype=torch.float64)
-    return t.mean().item(), (t.std() / math.sqrt(samples)).item() if samples > 1 else math.inf, vals
-
-
-def hutchpp(matvec, n, products=99, seed=0, device='cpu'):
-    """Hutch++ (Meyer, Musco, Musco & Woodruff, SOSA 2021, Alg. 1): m = products // 3 probes S; Q = orth(H S);
-    tr H = tr(Q^T H Q) + Hutchinson on (I - QQ^T) H (I - QQ^T) with m more probes: the top of the spectrum
-    exactly, the rest sampled (3 m products; products >= 3). -> (estimate, the standard error of its sampled part,
-    inf for m = 1)."""
-    m, gen = check_int('products', products, 3) // 3, torch.Generator().manual_seed(check_int('seed', seed, 0))
-    Q = torch.linalg.qr(torch.stack([matvec(rademacher(n, gen, device)) for _ in range(m)], dim=1))[0]  # (n, m)
-    top = sum((q @ matvec(q)).item() for q in Q.T)
-    vals = []
-    for _ in range(m):
-        z = rademacher(n, gen, device)
-        z = z - Q @ (Q.T @ z)
-        vals.append((z @ matvec(z)).item())
-    check_finite(top + sum(vals), 'Hutch++\'s estimate')
-    t = torch.tensor(vals, dtype=torch.float64)
-    return top + t.mean().item(), (t.std() / math.sqrt(m)).item() if m > 1 else math.inf
-
-
-# ----------------------------------------------------------------------------- density
-def slq(matvec, n, steps=80, probes=1, seed=0, device='cpu', vectors=None):
-    """Spectral density by stochastic Lanczos quadrature (Ghorbani et al. 2019, Sec. 3; Lin, Saad & Yang 2016):
-    per probe v (Rademacher, normalised), `steps` Lanczos steps with full reorthogonalisation give T; its
-    eigenvalues are the quadrature nodes and the squared first entries of its eigenvectors the weights, so that
-    sum_i w_i f(theta_i) = v^T f(H) v exactly for polynomials f of degree < 2 steps. Averaged over probes the
-    weights sum to 1 and sum_i w_i theta_i^p estimates tr(H^p) / n. vectors: given probes (a list of flat
-    vectors) instead. -> (nodes, weights): flat float64 CPU tensors, PyHessian's eigen_list / weight_list."""
-    steps, gen = check_int('steps', steps), torch.Generator().manual_seed(check_int('seed', seed, 0))
-    vectors = list(vectors) if vectors is not None else [rademacher(n, gen, device)
-                                                          for _ in range(check_int('probes', probes))]
-    if not vectors:
-        raise ValueError('vectors is empty: give one probe vector at least')
-    nodes, weights = [], []
-    for v in vectors:
-        r = lanczos(matvec, v, k=1, steps=steps, tol=0.0)  # tol 0: every step, or to an invariant subspace
-        theta, s = torch.linalg.eigh(tridiagonal(r['alpha'], r['beta']))
-        nodes.append(theta)
-        weights.append(s[0] ** 2 / len(vectors))
-    return torch.cat(nodes), torch.cat(weights)
-
-
-def density_curve(nodes, weights, grid, sigma):
-    """The density on `grid`: each node a Gaussian of std sigma (PyHessian's density_generate smooths the same
-    way), sum_i w_i N(x; theta_i, sigma^2)."""
-    sigma = check_real('sigma', sigma, positive=True)
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in (nodes, weights, grid)) or \
-            nodes.shape != weights.shape:
-        raise ValueError('nodes and weights must be 1-D tensors of one length (slq), grid a 1-D tensor')
-    g = torch.exp(-(grid[:, None] - nodes[None]) ** 2 / (2 * sigma ** 2)) / (sigma * math.sqrt(2 * math.pi))
-    return g @ weights
-
-
-# ----------------------------------------------------------------------------- what every public function checks
-def check_int(name, v, least=1):  # an int >= least (a bool is refused: True would count as 1)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise TypeError(f'{name} must be an int, got {type(v).__name__} {v!r}')
-    if v < least:
-        raise ValueError(f'{name} must be >= {least}, got {v}')
-    return int(v)
-
-
-def check_real(name, v, positive=False):  # a finite number >= 0 (positive: > 0)
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f'{name} must be a number, got {type(v).__name__} {v!r}')
-    if not (math.isfinite(v) and (v > 0 if positive else v >= 0)):
-        raise ValueError(f'{name} must be a finite number {"> 0" if positive else ">= 0"}, got {v}')
-    return float(v)
-
-
-def check_vector(v, name='v'):  # a non-empty 1-D float tensor, finite and not 0 (a start or probe vector)
-    if not (isinstance(v, torch.Tensor) and v.dim() == 1 and v.is_floating_point() and len(v)):
-        raise TypeError(f'{name} must be a non-empty flat (1-D) float tensor, got '
-                        + (f'{v.dtype} of shape {tuple(v.shape)}' if isinstance(v, torch.Tensor) else type(v).__name__))
-    if not (math.isfinite(norm := v.norm().item()) and norm > 0):
-        raise ValueError(f'{name} must be finite and non-zero, its norm is {norm}')
-
-
-def check_progress(progress):  # None or a function of one string (a wrong value would fail at the first step)
-    if progress is not None and not callable(progress):
-        raise TypeError(f'progress must be None or a function of one str, got {type(progress).__name__}')
-
-
-def check_finite(value, what):  # a product read back: inf / nan would go on as a number
-    if not math.isfinite(value):
-        raise ValueError(f'{what} is not finite ({value}): inf/nan in the operator (the model, the images, or '
-                         'an overflow of its dtype)')
-
-
+# ----------------------------------------------------------------------------- what the drivers check
 def trainable(model, params):  # params as a list (default: every trainable one), each model's, trainable, once
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f'model must be a torch.nn.Module, got {type(model).__name__}')

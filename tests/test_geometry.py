@@ -460,7 +460,7 @@ def free_port():
 
 VIT = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=2', 'heads=2']
 CONVMIXER = ['--model', 'convmixer_256_8', '--model-kw', 'dim=16', 'depth=2', 'kernel_size=3', 'patch_size=4']
-SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0', '--top-k', '2', '--trace', '3', '--density'],
+SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0', '--top-k', '2', '--trace', '4', '--density'],
                # a ViT's zero head would make the loss flat along filter-normalised directions: a ConvMixer
                'landscape': CONVMIXER + ['--dims', '2', '--steps', '3'],
                'flatness': CONVMIXER + ['--sigma', '0.01', '0.05', '--samples', '2'], 'neurons': VIT}
@@ -766,7 +766,8 @@ def test_compare_checks_for_pyhessian_before_measuring(cifar10_dir, tmp_path, mo
     """H26: without PyHessian, --compare was refused only after the whole Lanczos measurement, its result lost."""
     monkeypatch.setitem(sys.modules, 'pyhessian', None)  # import pyhessian: ImportError
     monkeypatch.setattr(G, 'hessian_spectrum', lambda *a, **k: pytest.fail('measured before refusing'))
-    with pytest.raises(G.UserError, match=re.escape('--compare needs PyHessian 0.1: pip install pyhessian==0.1')):
+    with pytest.raises(G.UserError, match=re.escape('--compare pyhessian needs pyhessian==0.1: pip install '
+                                                    'pyhessian==0.1')):
         G.main(['hessian', *VIT, '--compare', '--data', str(cifar10_dir), '--out', str(tmp_path / 'out')])
 
 

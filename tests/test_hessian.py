@@ -15,10 +15,12 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchvision.models.resnet import BasicBlock
 
+import anchors
 import data
 import models
 import geometry as G
 import hessian
+import matfree
 import utils
 import vit
 from conftest import REPO
@@ -118,10 +120,10 @@ def test_lanczos_top_k_equals_eigh(case):
     eig = torch.linalg.eigvalsh(H)
     matvec, n = hessian.hvp_operator(model, F.cross_entropy, batches)
     v0 = hessian.start_vector(list(model.parameters()))
-    got = hessian.lanczos(matvec, v0, k=3, steps=n, tol=1e-10)
+    got = matfree.lanczos(matvec, v0, k=3, steps=n, tol=1e-10)
     assert got['eigenvalues'] == pytest.approx(eig.flip(0)[:3].tolist(), rel=1e-8, abs=1e-12)
     mag = eig[eig.abs().argsort(descending=True)[:2]].tolist()
-    assert hessian.lanczos(matvec, v0, k=2, steps=n, tol=1e-10, which='LM')['eigenvalues'] == \
+    assert matfree.lanczos(matvec, v0, k=2, steps=n, tol=1e-10, which='LM')['eigenvalues'] == \
         pytest.approx(mag, rel=1e-8, abs=1e-12)
     assert got['products'] < n or case[0] == 'mlp'  # stopped by the residual, before a full basis
 
@@ -133,7 +135,7 @@ def test_hutchinson_within_three_standard_errors_and_its_error_shrinks_as_one_ov
     matvec, n = hessian.hvp_operator(model, F.cross_entropy, batches)
     sd = math.sqrt(2 * ((H ** 2).sum() - (H.diag() ** 2).sum()).item())
     for m in (16, 64):
-        t, se, vals = hessian.hutchinson(matvec, n, m, seed=1)
+        t, se, vals = matfree.hutchinson(matvec, n, m, seed=1)
         assert len(vals) == m and abs(t - H.trace().item()) <= 3 * sd / math.sqrt(m)
         assert 0.5 < se / (sd / math.sqrt(m)) < 1.6
 
@@ -145,8 +147,8 @@ def test_hutchpp_is_unbiased_with_fewer_errors_on_a_decaying_spectrum():
     q = torch.linalg.qr(torch.randn(60, 60, dtype=torch.float64))[0]
     A = q @ torch.diag(torch.cat([torch.tensor([50., 30, 20, 10], dtype=torch.float64),
                                   0.1 * torch.randn(56, dtype=torch.float64)])) @ q.T
-    hp = torch.tensor([hessian.hutchpp(lambda v: A @ v, 60, 30, seed=s)[0] for s in range(40)])
-    hu = torch.tensor([hessian.hutchinson(lambda v: A @ v, 60, 30, seed=s)[0] for s in range(40)])
+    hp = torch.tensor([matfree.hutchpp(lambda v: A @ v, 60, 30, seed=s)[0] for s in range(40)])
+    hu = torch.tensor([matfree.hutchinson(lambda v: A @ v, 60, 30, seed=s)[0] for s in range(40)])
     assert abs(hp.mean() - A.trace()) < 4 * hp.std() / math.sqrt(40) + 1e-9
     assert hp.std() < 0.2 * hu.std()
 
@@ -159,16 +161,16 @@ def test_slq_moments_equal_the_exact_spectrum(case):
     matvec, n = hessian.hvp_operator(model, F.cross_entropy, batches)
     gen = torch.Generator().manual_seed(3)
     probes = list(torch.randn(4, n, dtype=torch.float64, generator=gen))
-    nodes, w = hessian.slq(matvec, n, steps=3, vectors=probes)
+    nodes, w = matfree.slq(matvec, n, steps=3, vectors=probes)
     for p in (0, 1, 2):
         want = sum(v @ torch.linalg.matrix_power(H, p) @ v / (v @ v) for v in probes).item() / 4
         assert (w * nodes ** p).sum().item() == pytest.approx(want, rel=1e-8, abs=1e-12)
     if name == 'mlp':
         basis = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))[0]
-        nodes, w = hessian.slq(matvec, n, steps=2, vectors=list(basis.T))  # degree 3 >= 2: exact
+        nodes, w = matfree.slq(matvec, n, steps=2, vectors=list(basis.T))  # degree 3 >= 2: exact
         for p, want in ((1, H.trace().item() / n), (2, (H @ H).trace().item() / n)):
             assert (w * nodes ** p).sum().item() == pytest.approx(want, rel=1e-8)
-    nodes, w = hessian.slq(matvec, n, steps=5, probes=3)
+    nodes, w = matfree.slq(matvec, n, steps=5, probes=3)
     assert len(nodes) == 15 and w.sum().item() == pytest.approx(1, rel=1e-12)
 
 
@@ -237,7 +239,7 @@ def test_compare_times_power_iteration_to_the_eigenvalue_it_converges_to():
         torch.cat([p.detach().flatten() for p in model.parameters()]).double()))
     assert -eig[0] > 1.5 * eig[-1] > 0
     said = []
-    got = G.compare_hessian(model.eval(), x, y, 0, said.append, most=100, reps=2)
+    got = anchors.to_lambda_max(model.eval(), x, y, 0, said.append, most=100, reps=2)
     assert got['reference'] == pytest.approx(eig[-1].item(), rel=1e-4)
     assert got['reference_magnitude'] == pytest.approx(eig[0].item(), rel=1e-4)
     rows = got['rows']
@@ -253,7 +255,7 @@ def test_repeats_split_the_images_disjointly(cifar10_dir, tmp_path):
     classes interleaved) measured directly, mean and std over the three."""
     kw = ['dim=16', 'depth=1', 'heads=2']
     G.main(['hessian', '--model', 'vit_s4_cifar', '--model-kw', *kw, '--data', str(cifar10_dir), '--images', '24',
-            '--repeats', '3', '--iters', '30', '--trace', '3', '--out', str(tmp_path)])
+            '--repeats', '3', '--iters', '30', '--trace', '4', '--out', str(tmp_path)])
     got = json.loads((tmp_path / 'hessian.json').read_text())
     assert [r['images'] for r in got['repeats']] == [8, 8, 8] and got['n'] == 24
     lams = torch.tensor([r['lambda_max'] for r in got['repeats']], dtype=torch.float64)
@@ -276,12 +278,12 @@ def test_density_curve_is_the_normal_density_of_std_sigma():
     integrates to their weights' sum (the mutant: 1/sqrt(2) of it)."""
     sigma, theta = 0.3, 1.7
     grid = torch.tensor([theta - sigma, theta, theta + sigma], dtype=torch.float64)
-    got = hessian.density_curve(torch.tensor([theta], dtype=torch.float64), torch.ones(1, dtype=torch.float64), grid,
+    got = matfree.density_curve(torch.tensor([theta], dtype=torch.float64), torch.ones(1, dtype=torch.float64), grid,
                                 sigma)
     peak = 1 / (sigma * math.sqrt(2 * math.pi))
     assert got.tolist() == pytest.approx([peak * math.exp(-0.5), peak, peak * math.exp(-0.5)], rel=1e-12)
     grid = torch.linspace(-10, 10, 20001, dtype=torch.float64)  # +-30 sigma around both nodes
-    curve = hessian.density_curve(torch.tensor([-1.0, 2.0], dtype=torch.float64),
+    curve = matfree.density_curve(torch.tensor([-1.0, 2.0], dtype=torch.float64),
                                   torch.tensor([0.25, 0.5], dtype=torch.float64), grid, sigma)
     assert torch.trapezoid(curve, grid).item() == pytest.approx(0.75, rel=1e-9)
 
@@ -299,7 +301,7 @@ def test_power_iteration_stops_on_the_relative_change_as_pyhessian():
         stop = next(i for i in range(1, len(want)) if abs(want[i] - want[i - 1]) / (abs(want[i - 1]) + 1e-6) < tol)
         absolute = next(i for i in range(1, len(want)) if abs(want[i] - want[i - 1]) < tol)
         assert absolute != stop  # the two rules part at this scale
-        eig, products, history = hessian.power_iteration(lambda v: A @ v, torch.ones(2, dtype=torch.float64), 100,
+        eig, products, history = matfree.power_iteration(lambda v: A @ v, torch.ones(2, dtype=torch.float64), 100,
                                                          tol)
         assert products == stop + 1 and history == pytest.approx(want[:stop + 1], rel=1e-12)
         assert eig == pytest.approx(want[stop], rel=1e-12)
@@ -347,12 +349,12 @@ def library_case(case):
         'HL08b': lambda: hessian.hessian_eigenvalue(inf, F.cross_entropy, B),
         'HL08c': lambda: spectrum.func(model, F.cross_entropy, [(nan_x, y)]),
         'HL08-hvp': lambda: hessian.hvp_operator(inf, F.cross_entropy, B, mode='cached'),
-        'HL09': lambda: hessian.lanczos(matvec, v0, k=0, steps=10),
+        'HL09': lambda: matfree.lanczos(matvec, v0, k=0, steps=10),
         'HL14': lambda: spectrum(top_k=0),
-        'HL10': lambda: hessian.lanczos(matvec, v0, k=1, steps=0),
+        'HL10': lambda: matfree.lanczos(matvec, v0, k=1, steps=0),
         'HL15': lambda: spectrum(iters=0),
-        'HL11': lambda: hessian.lanczos(matvec, v0, k=2, steps=300, which='SA'),
-        'HL11b': lambda: hessian.lanczos(matvec, v0, k=2, steps=300, which='la'),
+        'HL11': lambda: matfree.lanczos(matvec, v0, k=2, steps=300, which='BE'),
+        'HL11b': lambda: matfree.lanczos(matvec, v0, k=2, steps=300, which='la'),
         'unused': lambda: hessian.hessian_spectrum(unused, F.cross_entropy, B, params=unused.extra.parameters()),
         'unused-eigenvalue': lambda: hessian.hessian_eigenvalue(unused, F.cross_entropy, B,
                                                                 params=unused.extra.parameters()),
@@ -367,20 +369,20 @@ def library_case(case):
         'per-image-loss': lambda: hessian.hessian_spectrum(
             model, lambda out, t: F.cross_entropy(out, t, reduction='none'), B),
         'not-pairs': lambda: hessian.hvp_operator(model, F.cross_entropy, [x]),
-        'k-above-dimension': lambda: hessian.lanczos(matvec, v0, k=n + 1, steps=1000),
-        'k-above-steps': lambda: hessian.lanczos(matvec, v0, k=3, steps=2),
-        'zero-start': lambda: hessian.power_iteration(matvec, torch.zeros(n, dtype=torch.float64)),
-        'iters-0': lambda: hessian.power_iteration(matvec, v0, iters=0),
-        'hutchinson-0': lambda: hessian.hutchinson(matvec, n, 0),
-        'hutchpp-2': lambda: hessian.hutchpp(matvec, n, 2),
-        'slq-0': lambda: hessian.slq(matvec, n, probes=0),
-        'slq-no-vectors': lambda: hessian.slq(matvec, n, vectors=[]),
-        'sigma-0': lambda: hessian.density_curve(torch.zeros(1), torch.ones(1), torch.zeros(3), 0.0),
-        'nan-product': lambda: hessian.lanczos(lambda v: v * math.nan, v0),
-        'nan-power': lambda: hessian.power_iteration(lambda v: v * math.nan, v0),
-        'nan-probe': lambda: hessian.hutchinson(lambda v: v * math.nan, n, 2),
-        'basis-half': lambda: hessian.lanczos(matvec, v0, basis_dtype=torch.float16),
-        'progress-str': lambda: hessian.lanczos(matvec, v0, progress='yes'),
+        'k-above-dimension': lambda: matfree.lanczos(matvec, v0, k=n + 1, steps=1000),
+        'k-above-steps': lambda: matfree.lanczos(matvec, v0, k=3, steps=2),
+        'zero-start': lambda: matfree.power_iteration(matvec, torch.zeros(n, dtype=torch.float64)),
+        'iters-0': lambda: matfree.power_iteration(matvec, v0, iters=0),
+        'hutchinson-0': lambda: matfree.hutchinson(matvec, n, 0),
+        'hutchpp-2': lambda: matfree.hutchpp(matvec, n, 2),
+        'slq-0': lambda: matfree.slq(matvec, n, probes=0),
+        'slq-no-vectors': lambda: matfree.slq(matvec, n, vectors=[]),
+        'sigma-0': lambda: matfree.density_curve(torch.zeros(1), torch.ones(1), torch.zeros(3), 0.0),
+        'nan-product': lambda: matfree.lanczos(lambda v: v * math.nan, v0),
+        'nan-power': lambda: matfree.power_iteration(lambda v: v * math.nan, v0),
+        'nan-probe': lambda: matfree.hutchinson(lambda v: v * math.nan, n, 2),
+        'basis-half': lambda: matfree.lanczos(matvec, v0, basis_dtype=torch.float16),
+        'progress-str': lambda: matfree.lanczos(matvec, v0, progress='yes'),
     }[case]
 
 
@@ -390,7 +392,7 @@ LIBRARY_WORDS = {
     'HL08': 'the loss is not finite on 2 batch(es) (inf/nan in the model or the images)',
     'HL08b': 'the loss is not finite', 'HL08c': 'the loss is not finite on 1 batch(es)', 'HL08-hvp': 'not finite',
     'HL09': 'k must be >= 1, got 0', 'HL14': 'top_k must be >= 1, got 0', 'HL10': 'steps must be >= 1, got 0',
-    'HL15': 'iters must be >= 1, got 0', 'HL11': "which must be one of 'LA', 'LM', got 'SA'",
+    'HL15': 'iters must be >= 1, got 0', 'HL11': "which must be one of 'LA', 'SA', 'LM', got 'BE'",
     'HL11b': "got 'la'", 'unused': 'the loss does not depend on params', 'unused-eigenvalue': 'does not depend',
     'not-its-params': 'params must be parameters of model', 'frozen-param': 'params 1.weight, 1.bias do not require',
     'hvp-mode': "hvp must be 'reverse', 'cached' or 'forward', got 'fwd'", 'operator-mode': "got 'backward'",
@@ -555,7 +557,7 @@ def test_repeats_under_torchrun_equal_one_process(cifar10_dir, tmp_path, one_thr
     from test_geometry import free_port
     common = ['hessian', '--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=1', 'heads=2', '--data',
               str(cifar10_dir), '--images', '24', '--batch-size', '4', '--repeats', '2', '--iters', '4', '--tol', '0',
-              '--top-k', '2', '--trace', '2']
+              '--top-k', '2', '--trace', '4']
     G.main([*common, '--out', str(tmp_path / 'one')])
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'CUDA_VISIBLE_DEVICES': ''}
     r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '3', '--master_port',

@@ -17,10 +17,12 @@ import models
 import vit
 from conftest import REPO
 
-LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment', 'hessian', 'gsam', 'looksam', 'msam'}
+LEAVES = {'vit', 'mixer', 'convmixer', 'sam', 'pgd', 'augment', 'hessian', 'gsam', 'matfree', 'looksam', 'msam'}
 SAM_SUCCESSORS = {'gsam', 'looksam', 'msam'}  # leaves that may import `sam` (and nothing else of the repo): copied
-# with sam.py, they work
-LIBRARY = {'utils': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'figures'},
+# with sam.py, they work. hessian.py may import matfree.py (its algorithms on any symmetric operator; issue 46):
+# copied with it, it works
+LIBRARY = {'utils': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'figures', 'anchors'},
+           'anchors': {'flags', 'runs', 'images', 'loader', 'data', 'models', 'figures'},  # (geometry --compare's)
            'flags': {'runs', 'images', 'loader', 'data', 'models', 'figures'},
            'runs': {'images', 'loader', 'data', 'models', 'figures'},
            'images': {'runs', 'loader', 'data', 'models', 'figures'}, 'loader': {'runs', 'data', 'models', 'figures'},
@@ -60,7 +62,7 @@ def test_every_root_file_is_in_one_layer():
 def test_a_leaf_imports_no_file_of_the_repo(name):
     """Copying one leaf into another project just works: torch, torchvision, einops, numpy, the standard library
     (and a SAM successor's sam.py)."""
-    got = imports(name) - ({'sam'} if name in SAM_SUCCESSORS else set())
+    got = imports(name) - ({'sam'} if name in SAM_SUCCESSORS else set()) - ({'matfree'} if name == 'hessian' else set())
     assert not got & (LEAVES | set(LIBRARY) | set(SCRIPTS)), got
     assert got - OUTSIDE <= set(sys.stdlib_module_names), got - OUTSIDE
 
@@ -318,8 +320,8 @@ TINY_RUNS = {
                            'depth=1'] for sub in ('hessian', 'ntk', 'landscape', 'flatness', 'neurons')},
     'geometry attention': ['attention', '--data', '{DATA}', '--images', 2, '--model', 'vit_ti16', '--model-kw',
                            'dim=16', 'depth=1', 'heads=2', 'patch_size=8'],
-    'geometry table1': ['table1', '--data', '{CIFAR}', '--train-subset', 256, '--hessian-n', 4, '--ntk-n', 4,
-                        '--corruption-n', 0],
+    'table1': ['--data', '{CIFAR}', '--train-subset', 256, '--hessian-n', 4, '--ntk-n', 4,
+               '--corruption-n', 0],
     'robustness': ['--benchmark', 'corrupt', '--data', '{DATA}', '--checkpoint', '{CKPT}', '--subset', 10,
                    '--corruptions', 'gaussian_noise', '--no-plot', '--workers', 0],
     'gpu_check': ['--data', '{DATA}', '--dry-run', '--parts', 'versions'],
