@@ -145,6 +145,11 @@ def get_args(argv=None):
     args.amp = args.amp if args.amp != 'auto' else ('bf16' if cuda else 'off')
     args.min_run_time = args.min_run_time or (2.0 if args.quick else 10.0)
     args.size = 0 if args.quick else 2 if cuda else 1  # which of a row's (px, batch)
+    for name in (r for r in args.rows if args.sam_m and r not in ('cifar', 'loader')):  # k equal groups of m, as
+        batch = args.batch_size or ROWS[name][1 + args.size][1]  # the training scripts refuse --sam-m otherwise
+        if args.sam_m < batch and batch % args.sam_m:
+            raise UserError(f'--sam-m {args.sam_m} does not divide the batch of {batch} images of {name}: '
+                            'm-sharpness takes k equal groups of m images (pass a divisor, or --batch-size)')
     return args
 
 
@@ -278,8 +283,10 @@ def bench_model(name, args, compile=False, nhwc=False):
     row = dict(row=name, px=px, batch=batch, dtype=args.amp, mode=('compile' if compile else 'eager') + ' NHWC' * nhwc,
                ref=f'timm {ROWS[name][0] if isinstance(ROWS[name][0], str) else "ConvMixer(256, 8, k5, p2)"}',
                gflops=train_gflops(lambda: build(name, 'ours', px), px))
-    # m: 32 at 128; a small batch a quarter; --sam-m at or above the batch is the batch (one group: SAM itself)
-    row['sam_m'] = m = min(args.sam_m, batch) if args.sam_m else 32 if batch > 32 else max(1, batch // 4)
+    # m: 32 at 128; a small batch a quarter (its largest divisor up to that); --sam-m at or above the batch is the
+    # batch (one group: SAM itself)
+    want = 32 if batch > 32 else max(1, batch // 4)
+    row['sam_m'] = m = min(args.sam_m, batch) if args.sam_m else next(d for d in range(want, 0, -1) if batch % d == 0)
     if timm is None:
         row['note'] = 'timm is not installed: our steps alone, no side by side'
     for key, (side, sam, grouped) in STEPS.items():

@@ -306,6 +306,8 @@ def cli(argv, monkeypatch):
     (['--min-run-time', 'inf'], '--min-run-time must be a finite number > 0, got inf'),
     (['--peak-tflops', '-1'], '--peak-tflops must be a finite number > 0, got -1.0'),
     (['--sam-m', '0'], '--sam-m must be a finite number > 0, got 0'),
+    # bad-inputs-3 (h-data): groups of 3, 3, 2 on a batch of 8, each loss / 3, said done
+    (['--rows', 'convmixer_256_8', '--batch-size', '8', '--sam-m', '3'], '--sam-m 3 does not divide the batch of 8'),
     (['--json', 'MISSING/bench.json'], '--json MISSING/bench.json cannot be written: No such file or directory'),
     (['--json', 'DIR'], '--json DIR cannot be written: a folder, not a file'),
     (['--json', '/sys/bench.json'], '--json /sys/bench.json cannot be written: '),  # read-only, even for root
@@ -396,7 +398,8 @@ def test_sam_m_at_or_above_the_batch_is_the_batch(monkeypatch):
     batch (plain SAM), and the table says m 8."""
     monkeypatch.setattr(bench, 'median_s', lambda fn, *a, **k: fn() or 1.0)
     monkeypatch.setattr(bench, 'peak_mib', lambda *a: 1.0)
-    for given, want in ((100, 8), (8, 8), (2, 2), (None, 2)):  # None: the default, a quarter of a batch of 8
-        args = bench.get_args(['--rows', 'convmixer_256_8', '--batch-size', '8', '--img-size', '8', '--device', 'cpu',
-                               *(['--sam-m', str(given)] if given else [])])
+    for given, want, batch in ((100, 8, 8), (8, 8, 8), (2, 2, 8), (None, 2, 8), (None, 6, 30)):  # None: the default,
+        # a quarter of the batch, or its largest divisor below that (30: 7 would make groups of 7, 7, 7, 7, 2)
+        args = bench.get_args(['--rows', 'convmixer_256_8', '--batch-size', str(batch), '--img-size', '8', '--device',
+                               'cpu', *(['--sam-m', str(given)] if given else [])])
         assert bench.bench_model('convmixer_256_8', args)['sam_m'] == want, given
