@@ -58,7 +58,7 @@ PARTS = ('versions', 'augment', 'syncs', 'smoke', 'memory', 'cifar', 'bench', 'c
 TOGETHER = ('versions', 'augment', 'syncs', 'smoke')  # they time nothing: at once, sharing the GPU and the cores
 # Seconds a part needs (GPU: an H100 or H200; dry run: the suite's 2-core CPU). GPU: ESTIMATED from each part's work
 # (no GPU has run them; the JSON records the real seconds); dry: measured on the shared VM under load. A part starts
-# only when this much is left. GPU estimates: a process's start (python, torch, CUDA) ~8 s; syncs: 20 runs of ~15 s,
+# only when this much is left. GPU estimates: a process's start (python, torch, CUDA) ~8 s; syncs: 24 runs of ~15 s,
 # SYNC_JOBS at once, the two --compile runs ~60 s beside them; cifar: 25 epochs of 1.1 PFLOP at ~25-40% of the bf16
 # peak (depthwise convs), the evaluations and 3 NCHW epochs; bench: 7 rows of 4-5 sides, ~1.2 s each; compile: the
 # cifar run with its graphs in the cache; table1: the whole call (table1_part sizes its epochs to what is left).
@@ -232,6 +232,7 @@ def sync_runs(args, work):
     runs = {'cifar_default': cifar(), 'cifar_fp16': cifar('--amp', 'fp16'), 'cifar_sam': cifar('--sam'),
             'cifar_sam_fp16': cifar('--sam', '--amp', 'fp16'),
             'cifar_gsam': cifar('--sam', '--gsam-alpha', 0.4, '--rho-min', 0.02),
+            'cifar_looksam': cifar('--sam', '--look-k', 5), 'cifar_msam': cifar('--msam'),
             'cifar_pgd': cifar('--adv', 'pgd', '--adv-steps', 2),
             'cifar_compile': cifar('--compile', test=1030),  # the eval graph of the timed run: 1,024 images a batch
             'imagenet_convmixer_sam': imagenet('--sam'), 'imagenet_decode_gpu': imagenet('--decode', 'gpu'),
