@@ -60,7 +60,7 @@ TOGETHER = ('versions', 'augment', 'syncs', 'smoke')  # they time nothing: at on
 # (no GPU has run them; the JSON records the real seconds); dry: measured on the shared VM under load. A part starts
 # only when this much is left. GPU estimates: a process's start (python, torch, CUDA) ~8 s; syncs: 24 runs of ~15 s,
 # SYNC_JOBS at once, the two --compile runs ~60 s beside them; cifar: 25 epochs of 1.1 PFLOP at ~25-40% of the bf16
-# peak (depthwise convs), the evaluations and 3 NCHW epochs; bench: 7 rows of 4-5 sides, ~1.2 s each; compile: the
+# peak (depthwise convs), the evaluations and 3 NCHW epochs; bench: 7 rows of 6-7 sides, ~1.2 s each; compile: the
 # cifar run with its graphs in the cache; table1: the whole call (table1_part sizes its epochs to what is left).
 # Call 1: the four at once ~100 s (syncs'), then 25 + 85 + 60 + 50: 320 s, the 330 that --budget-s 340 leaves.
 NEED_S = dict(versions=(10, 10), augment=(25, 30), syncs=(100, 100), smoke=(60, 90), memory=(25, 10),
