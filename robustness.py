@@ -155,11 +155,11 @@ def array_batches(images, labels, lo, hi, batch_size, device=None):
     device: rows lo..hi moved there first, in one copy (a CIFAR-10-C cell of a rank: 30 MB / world), not per batch."""
     if device is not None:
         images, labels, lo, hi = (torch.from_numpy(np.array(images[lo:hi])).to(device),
-                                  torch.as_tensor(labels[lo:hi]).to(device), 0, hi - lo)
+                                  torch.from_numpy(np.asarray(labels[lo:hi]).copy()).to(device), 0, hi - lo)
     for s in range(lo, hi, batch_size):
         e = min(s + batch_size, hi)
         x, y = (images[s:e], labels[s:e]) if device is not None else (torch.from_numpy(np.array(images[s:e])),
-                                                                      torch.as_tensor(np.asarray(labels[s:e])))
+                                                                      torch.from_numpy(np.asarray(labels[s:e]).copy()))
         yield x.permute(0, 3, 1, 2), y, torch.arange(s, e)
 
 

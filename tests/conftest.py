@@ -1,5 +1,6 @@
 """Shared fixtures. The real-data fixture extracts the shared CIFAR-10 JPEG copy once per session."""
 import os
+import shutil
 import signal
 import sys
 import tarfile
@@ -54,6 +55,19 @@ def cifar10_dir(tmp_path_factory):
         # in archive order: a gzip stream read out of order is decompressed again from the start
         tar.extractall(root, members=[m for m in tar.getmembers() if m.name in keep], filter='data')
     return root / 'cifar10'
+
+
+@pytest.fixture(scope='session')
+def imagenet_dir(cifar10_dir, tmp_path_factory):
+    """40 CIFAR training and 10 test images in train_imagenet.py's folder layout (the SAM family's ImageNet-flag
+    tests)."""
+    root = tmp_path_factory.mktemp('imagenet')
+    for split, src, n in (('train', 'train', 4), ('val', 'test', 1)):
+        for c in sorted(os.listdir(cifar10_dir / src)):
+            (root / split / c).mkdir(parents=True)
+            for f in sorted(os.listdir(cifar10_dir / src / c))[:n]:
+                shutil.copy(cifar10_dir / src / c / f, root / split / c / f.replace('.jpg', '.JPEG'))
+    return root
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -27,6 +26,7 @@ import models
 import train_contrastive as tc
 import utils
 from conftest import REPO
+from toys import free_port
 
 SCRIPT = str(REPO / 'train_contrastive.py')
 # A 2-block ViT of width 64 on 8x8-px patches (16 tokens), small MLP heads: ~0.2M parameters.
@@ -58,12 +58,6 @@ def finish(proc, ok=True):
 
 def rows(out_dir, kind):
     return [r for r in map(json.loads, (out_dir / 'metrics.jsonl').read_text().splitlines()) if r['kind'] == kind]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 # -----------------------------------------------------------------------------

@@ -401,7 +401,7 @@ def test_torchrun_two_processes_equal_one(cifar10_dir, tmp_path, curvature='ggn'
     import subprocess
     import sys
     from conftest import REPO
-    from test_geometry import free_port
+    from toys import free_port
     import geometry as G
     common = ['hessian', *TINY, '--data', str(cifar10_dir), '--images', '8', '--batch-size', '4', '--iters', '5',
               '--tol', '0', '--top-k', '2', '--bottom-k', '1', '--trace', '6', '--density', '2',

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -26,6 +25,7 @@ import models
 import utils
 import vit
 from torchvision.models.resnet import BasicBlock
+from toys import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -452,12 +452,6 @@ def test_imagenet_folder_feeds_the_eval_crop_of_its_val_images(cifar10_dir, tmp_
 
 
 # ----------------------------------------------------------------------------- devices and processes
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 VIT = ['--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=2', 'heads=2']
 CONVMIXER = ['--model', 'convmixer_256_8', '--model-kw', 'dim=16', 'depth=2', 'kernel_size=3', 'patch_size=4']
 SHARD_FLAGS = {'hessian': VIT + ['--iters', '4', '--tol', '0', '--top-k', '2', '--trace', '4', '--density'],

@@ -8,7 +8,7 @@ import json
 import math
 import os
 import re
-import socket
+from unittest import mock
 
 import pytest
 import torch
@@ -19,22 +19,9 @@ import torch.nn.functional as F
 
 from gsam import GSAM
 from sam import SAM, first_pass, second_pass
+from toys import clone_params, free_port, toy_data, toy_mlp
 
 F64 = torch.float64
-
-
-def _mlp(seed, bn=False):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16) if bn else nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
-
-
-def _data(seed, n, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g).to(dtype), torch.randint(0, 3, (n,), generator=g)
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def _gsam_step(model, opt, groups, micro=1, scaler=None, clip=None, all_reduce=False, plant=None, autocast=None):
@@ -109,7 +96,7 @@ def _gsam_gradient(loss_fn, params, inputs, targets, rho_max, rho_min, alpha, lr
     return l_clean, g_gsam
 
 
-def _mlp_loss(ps, x, y):  # _mlp's forward (LayerNorm), written out
+def _mlp_loss(ps, x, y):  # toy_mlp's forward (LayerNorm), written out
     h = F.layer_norm(F.linear(x, ps['0.weight'], ps['0.bias']), (16,), ps['1.weight'], ps['1.bias'])
     return F.cross_entropy(F.linear(F.gelu(h), ps['3.weight'], ps['3.bias']), y)
 
@@ -121,10 +108,10 @@ LRS = [0.5, 0.35, 0.2, 0.05]  # the lr of each step, along a decay from lr_max t
 def _oracle_run(k, adaptive_perturbation, minimize_fp, clip=None):
     """fp64: per step the mean over the k groups of gsam_gradient (big_vision: per device, then pmean), clipped
     (after the pmean, as optax's clip_by_global_norm; with torch's 1e-6), then plain SGD w - lr d."""
-    model = _mlp(0).to(F64)
+    model = toy_mlp(0).to(F64)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step, lr in enumerate(LRS):
-        x, y = _data(step, 4 * k, F64)
+        x, y = toy_data(step, 4 * k, F64)
         ds = [_gsam_gradient(_mlp_loss, params, xg, yg, lr=lr, adaptive_perturbation=adaptive_perturbation,
                              minimize_fp=minimize_fp, **CFG)[1] for xg, yg in zip(x.split(4), y.split(4))]
         d = {n: sum(dj[n] for dj in ds) / k for n in params}
@@ -136,16 +123,16 @@ def _oracle_run(k, adaptive_perturbation, minimize_fp, clip=None):
 
 
 def _gsam_run(k, adaptive_perturbation, minimize_fp, clip=None, micro=1):
-    model = _mlp(0).to(F64)
+    model = toy_mlp(0).to(F64)
     kw = {key: CFG[key] for key in ('rho_min', 'alpha', 'lr_max', 'lr_min')}
     opt = GSAM(model.parameters(), torch.optim.SGD, rho=CFG['rho_max'], lr=LRS[0], minimize_fp=minimize_fp,
                adaptive_perturbation=adaptive_perturbation, **kw)
     for step, lr in enumerate(LRS):
         for group in opt.param_groups:
             group['lr'] = lr
-        x, y = _data(step, 4 * k, F64)
+        x, y = toy_data(step, 4 * k, F64)
         _gsam_step(model, opt, list(zip(x.split(4), y.split(4))), micro=micro, clip=clip)
-    return _params(model)
+    return clone_params(model)
 
 
 @pytest.mark.parametrize('minimize_fp,adaptive_perturbation,k,micro,clip', [
@@ -207,15 +194,15 @@ def test_alpha_zero_and_constant_rho_is_sam_bit_for_bit(base, kw, k):
     for make in (lambda ps: SAM(ps, base, rho=0.2, adaptive=True, **kw),
                  lambda ps: GSAM(ps, base, rho=0.2, rho_min=0.2, alpha=0.0, lr_max=kw['lr'], lr_min=0.0,
                                  adaptive=True, **kw)):
-        model = _mlp(0, bn=True)
+        model = toy_mlp(0, bn=True)
         opt, scaler = make(model.parameters()), torch.amp.GradScaler('cpu', init_scale=2.0 ** 6)
         for step in range(4):
             for group in opt.param_groups:
                 group['lr'] = kw['lr'] * (1 - step / 4)
-            x, y = _data(step, 4 * k)
+            x, y = toy_data(step, 4 * k)
             groups = list(zip(x.split(4), y.split(4)))
             (_gsam_step if isinstance(opt, GSAM) else _sam_loop_step)(model, opt, groups, scaler=scaler)
-        runs.append([*_params(model), *model[1].buffers()])
+        runs.append([*clone_params(model), *model[1].buffers()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -225,18 +212,18 @@ def test_rho_zero_trains_as_the_base_optimizer(base, kw, minimize_fp):
     BatchNorm statistics bit for bit (davda54/sam#80 asks this of SAM; both are checked here)."""
     runs = []
     for kind in ('base', 'sam', 'gsam'):
-        model = _mlp(0, bn=True)
+        model = toy_mlp(0, bn=True)
         opt = base(model.parameters(), **kw) if kind == 'base' else SAM(model.parameters(), base, rho=0.0, **kw) \
             if kind == 'sam' else GSAM(model.parameters(), base, rho=0.0, alpha=0.5, minimize_fp=minimize_fp, **kw)
         for step in range(4):
-            x, y = _data(step, 8)
+            x, y = toy_data(step, 8)
             if kind == 'base':
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             else:
                 (_sam_loop_step if kind == 'sam' else _gsam_step)(model, opt, [(x, y)])
-        runs.append([*_params(model), *model[1].buffers()])
+        runs.append([*clone_params(model), *model[1].buffers()])
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
 
@@ -256,16 +243,12 @@ def _ddp_worker(rank, world, port, out):
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world)
     try:
-        calls, real = [], dist.all_reduce
-
-        def counted(*a, **kw):
-            calls.append(1)
-            return real(*a, **kw)
-        dist.all_reduce = counted  # sam.py calls torch.distributed.all_reduce: count its collectives
+        patch = mock.patch.object(dist, 'all_reduce', wraps=dist.all_reduce)
+        counted = patch.start()  # sam.py calls torch.distributed.all_reduce: count its collectives
         res = []
         for name, g in G_CONFIGS:
-            calls.clear()
-            model = _mlp(0, bn=name != 'mlp').to(F64)
+            counted.reset_mock()
+            model = toy_mlp(0, bn=name != 'mlp').to(F64)
             ddp = nn.parallel.DistributedDataParallel(model)
             hooked = []
             ddp.register_comm_hook(None, lambda state, bucket: hooked.append(1) or
@@ -275,7 +258,7 @@ def _ddp_worker(rank, world, port, out):
             for step in range(G_STEPS):
                 for group in opt.param_groups:
                     group['lr'] = _g_lr(step)
-                x, y = _data(50 + step, world * per, F64)
+                x, y = toy_data(50 + step, world * per, F64)
                 xr, yr = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
                 if name == 'closure':  # both passes under no_sync, then gsam_gradient's all-reduce (issue 45)
                     def closure():
@@ -287,18 +270,12 @@ def _ddp_worker(rank, world, port, out):
                     opt.zero_grad(set_to_none=True)
                 else:
                     _gsam_step(ddp, opt, list(zip(xr.split(G_M), yr.split(G_M))), all_reduce=True)
-            res.append({'final': _params(model), 'allreduces': len(calls), 'ddp_buckets': len(hooked)})
-        dist.all_reduce = real
+            res.append({'final': clone_params(model), 'allreduces': counted.call_count, 'ddp_buckets': len(hooked)})
+        patch.stop()
         torch.save(res, os.path.join(out, f'rank{rank}.pt'))
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def test_ddp_ranks_equal_one_process_with_groups(tmp_path):
@@ -306,17 +283,17 @@ def test_ddp_ranks_equal_one_process_with_groups(tmp_path):
     g_p, the mean (not the sum) over ranks follows, in ONE all-reduce per step and none by DDP's buckets; the same
     through step(closure, model=ddp)."""
     world = 2
-    mp.spawn(_ddp_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_ddp_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     res = [torch.load(tmp_path / f'rank{r}.pt') for r in range(world)]
     for i, (name, g) in enumerate(G_CONFIGS):
-        model = _mlp(0, bn=name != 'mlp').to(F64)
+        model = toy_mlp(0, bn=name != 'mlp').to(F64)
         opt = GSAM(model.parameters(), torch.optim.SGD, **G_KW)
         for step in range(G_STEPS):
             for group in opt.param_groups:
                 group['lr'] = _g_lr(step)
-            x, y = _data(50 + step, world * g * G_M, F64)
+            x, y = toy_data(50 + step, world * g * G_M, F64)
             _gsam_step(model, opt, list(zip(x.split(G_M), y.split(G_M))))
-        for a, b, c in zip(res[0][i]['final'], res[1][i]['final'], _params(model)):
+        for a, b, c in zip(res[0][i]['final'], res[1][i]['final'], clone_params(model)):
             assert torch.equal(a, b)
             torch.testing.assert_close(a, c, rtol=0, atol=1e-12)
         assert res[0][i]['allreduces'] == G_STEPS and res[0][i]['ddp_buckets'] == 0, (name, g)
@@ -327,11 +304,11 @@ def test_ddp_ranks_equal_one_process_with_groups(tmp_path):
 @pytest.mark.parametrize('plant,alpha', [(('first', 0), 0.5), (('second', 0), 0.0), (('first', 1), 0.0),
                                          (('second', 1), 0.5)], ids=['first-g0', 'second-g0', 'first-g1', 'second-g1'])
 def test_overflow_in_either_pass_skips_with_w_exact(plant, alpha):
-    model = _mlp(0)
+    model = toy_mlp(0)
     opt = GSAM(model.parameters(), torch.optim.AdamW, rho=0.2, alpha=alpha, lr=1e-2)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
-    x, y = _data(0, 8)
-    w0 = _params(model)
+    x, y = toy_data(0, 8)
+    w0 = clone_params(model)
     _gsam_step(model, opt, list(zip(x.split(4), y.split(4))), scaler=scaler, plant=plant)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))
     assert len(opt.base_optimizer.state) == 0 and scaler.get_scale() == 2.0 ** 7
@@ -341,11 +318,11 @@ def test_overflow_in_either_pass_skips_with_w_exact(plant, alpha):
 
 def test_real_fp16_overflow_skips():
     """fp16 autocast with a loss scale of 2^40: both passes overflow; w stays, the scale halves."""
-    model = _mlp(0)
+    model = toy_mlp(0)
     opt = GSAM(model.parameters(), torch.optim.AdamW, rho=0.2, alpha=0.3, lr=1e-2)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 40)
-    x, y = _data(0, 8)
-    w0 = _params(model)
+    x, y = toy_data(0, 8)
+    w0 = clone_params(model)
     _gsam_step(model, opt, [(x, y)], scaler=scaler, autocast=lambda: torch.autocast('cpu', dtype=torch.float16))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), w0)) and scaler.get_scale() == 2.0 ** 39
 
@@ -354,13 +331,13 @@ def test_bf16_autocast_close_to_fp32():
     """bf16 autocast (no scaler): the update after 3 steps is within 2% of fp32's, and 2% tells GSAM from SAM."""
     runs = []
     for ctx, alpha in ((None, 0.4), (lambda: torch.autocast('cpu', dtype=torch.bfloat16), 0.4), (None, 0.0)):
-        model = _mlp(0)
+        model = toy_mlp(0)
         opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.5, rho_min=0.1, alpha=alpha, lr_max=0.1, lr_min=0,
                    lr=0.1, momentum=0.9)
         for step in range(3):
-            _gsam_step(model, opt, [_data(step, 32)], autocast=ctx)
+            _gsam_step(model, opt, [toy_data(step, 32)], autocast=ctx)
         runs.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    w0 = torch.cat([p.detach().flatten() for p in _mlp(0).parameters()])
+    w0 = torch.cat([p.detach().flatten() for p in toy_mlp(0).parameters()])
     err = [((run - runs[0]).norm() / (runs[0] - w0).norm()).item() for run in runs[1:]]
     assert err[0] < 0.02 < err[1], err
 
@@ -372,9 +349,9 @@ def test_state_dict_resume_mid_run_is_bit_identical():
         for step in steps:
             for group in opt.param_groups:
                 group['lr'] = kw['lr'] * (1 - step / 6)
-            _gsam_step(model, opt, list(zip(*(t.split(4) for t in _data(step, 8)))))
+            _gsam_step(model, opt, list(zip(*(t.split(4) for t in toy_data(step, 8)))))
 
-    model = _mlp(0, bn=True)
+    model = toy_mlp(0, bn=True)
     opt = GSAM(model.parameters(), torch.optim.AdamW, **kw)
     train(model, opt, range(3))
     buf = io.BytesIO()
@@ -383,7 +360,7 @@ def test_state_dict_resume_mid_run_is_bit_identical():
     buf.seek(0)
     ckpt = torch.load(buf)
     assert ckpt['opt']['param_groups'][0]['alpha'] == 0.4 and ckpt['opt']['param_groups'][0]['rho_min'] == 0.1
-    model2 = _mlp(1, bn=True)
+    model2 = toy_mlp(1, bn=True)
     opt2 = GSAM(model2.parameters(), torch.optim.AdamW, **kw)
     model2.load_state_dict(ckpt['model'])
     opt2.load_state_dict(ckpt['opt'])
@@ -397,10 +374,10 @@ def test_closure_form_equals_the_loop():
     45: the second pass ran outside second_pass, so the statistics were updated at w + eps too)."""
     runs = []
     for closure in (False, True):
-        model = _mlp(0, bn=True)
+        model = toy_mlp(0, bn=True)
         opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.3, alpha=0.4, lr=0.1, momentum=0.9)
         for step in range(3):
-            x, y = _data(step, 8)
+            x, y = toy_data(step, 8)
             if closure:
                 def f():
                     opt.zero_grad()
@@ -411,7 +388,7 @@ def test_closure_form_equals_the_loop():
                 opt.zero_grad(set_to_none=True)
             else:
                 _gsam_step(model, opt, [(x, y)])
-        runs.append([*_params(model), *model.buffers()])
+        runs.append([*clone_params(model), *model.buffers()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert int(model[1].num_batches_tracked) == 3  # one clean forward a step
 
@@ -419,14 +396,6 @@ def test_closure_form_equals_the_loop():
 # -----------------------------------------------------------------------------
 # The scripts: train_cifar.py and train_imagenet.py --gsam-alpha / --rho-min, the surrogate gap in metrics.jsonl
 TINY = ['--model-kw', 'dim=16', 'depth=1', 'patch_size=4', 'kernel_size=3']  # ConvMixer with BatchNorm
-
-
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _cifar(cifar10_dir, out, *extra):
@@ -580,11 +549,11 @@ def test_no_host_sync_in_the_gsam_step():
     """first_step, the decomposition (two dot products, the guard on ||g_p|| = 0 by torch.where) and the step read
     nothing back to the host (no scaler; an enabled GradScaler's one read of found_inf is GradScaler's own)."""
     from test_sam import _count_host_syncs
-    model = _mlp(0, bn=True)
+    model = toy_mlp(0, bn=True)
     opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.2, rho_min=0.1, alpha=0.4, lr_max=0.1, lr_min=0.0, lr=0.1,
                momentum=0.9)
-    x, y = _data(0, 8)
-    w0 = _params(model)
+    x, y = toy_data(0, 8)
+    w0 = clone_params(model)
     for j, (xg, yg) in enumerate(zip(x.chunk(2), y.chunk(2))):
         F.cross_entropy(model(xg), yg).backward()
         with _count_host_syncs() as calls:
@@ -605,11 +574,11 @@ def test_unscale_inside_step_is_one_foreach_kernel_per_dtype_and_equals_unscale_
     not a mul_ per parameter, and the weights equal those of the unscale_ path (GradScaler's own kernel)."""
     runs = []
     for unscale in (True, False):
-        m32, m64 = _mlp(0), _mlp(1).to(F64)  # two dtypes: two buckets
+        m32, m64 = toy_mlp(0), toy_mlp(1).to(F64)  # two dtypes: two buckets
         opt = SAM([*m32.parameters(), *m64.parameters()], torch.optim.SGD, rho=0.1, lr=0.1)
         scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)
         for step in range(2):
-            x, y = _data(step, 8)
+            x, y = toy_data(step, 8)
             for _ in range(2):  # the two passes
                 scaler.scale(F.cross_entropy(m32(x), y) + F.cross_entropy(m64(x.to(F64)), y)).backward()
                 if _ == 0:
@@ -623,7 +592,7 @@ def test_unscale_inside_step_is_one_foreach_kernel_per_dtype_and_equals_unscale_
             assert ops.count('aten::mul_') == 0 and ops.count('aten::_foreach_mul_') == 2 * (not unscale), ops
             scaler.update()
             opt.zero_grad(set_to_none=True)
-        runs.append([*_params(m32), *_params(m64)])
+        runs.append([*clone_params(m32), *clone_params(m64)])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -647,7 +616,7 @@ def test_bad_gsam_settings_are_refused(kw, error, message):
     round; rho_min above rho or a schedule-following rho without the schedule's range has no meaning; an option of
     the wrong type is not taken for its truth value (GL09: adaptive_perturbation='no' was |w| perturbation on). A
     refused group leaves the optimizer as it was (GL20: it stayed in, and trained with alpha -1)."""
-    m = _mlp(0)
+    m = toy_mlp(0)
     with pytest.raises(error, match=re.escape(message)):
         GSAM(m.parameters(), torch.optim.SGD, lr=0.1, **kw)
     group_kw = {k: v for k, v in kw.items() if k not in ('lr_max', 'lr_min', 'minimize_fp')}
@@ -681,10 +650,10 @@ def test_sams_loop_without_gsam_gradient_is_refused_with_w_restored(scaler):
     """GL11: under a GradScaler (2^16) that order stepped 1,900x too far (a scaled g against an unscaled g_p), and in
     any precision clipping acted on g_p, not on d. Now one line, w restored bit for bit, and the next (right) step
     of the same optimizer equals a fresh optimizer's."""
-    x, y = _data(0, 32)
-    model = _mlp(1)
+    x, y = toy_data(0, 32)
+    model = toy_mlp(1)
     opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, lr=0.1)
-    w0 = _params(model)
+    w0 = clone_params(model)
     message = re.escape('GSAM: call optimizer.gsam_gradient() right after the last second backward pass, before '
                         'scaler.unscale_, clipping and step')
     with pytest.raises(RuntimeError, match=message):
@@ -698,11 +667,11 @@ def test_sams_loop_without_gsam_gradient_is_refused_with_w_restored(scaler):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), w0))
     assert not hasattr(opt, 'found_inf') and not hasattr(opt, 'grad_scale')
     opt.zero_grad(set_to_none=True)
-    fresh = _mlp(1)
+    fresh = toy_mlp(1)
     runs = []
     for m, o in ((model, opt), (fresh, GSAM(fresh.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, lr=0.1))):
         _gsam_step(m, o, [(x, y)])
-        runs.append(_params(m))
+        runs.append(clone_params(m))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -710,15 +679,15 @@ def test_gsams_loop_under_a_gradscaler_is_fp32s_step_and_clipping_bounds_it():
     """GSAM's loop (gsam_gradient before unscale_): g and g_p carry the same loss scale, so a 2^16 scaler gives the
     no-scaler weights bit for bit (powers of two); clipping at c bounds the SGD step to lr * c (the closed form)
     and binds here (the unclipped step is longer)."""
-    x, y = _data(0, 32)
+    x, y = toy_data(0, 32)
     lr, clip, runs = 0.1, 0.3, []
     for scaler, c in ((torch.amp.GradScaler('cpu', init_scale=2.0 ** 16), clip),
                       (torch.amp.GradScaler('cpu', enabled=False), clip), (None, None)):
-        model = _mlp(1)
+        model = toy_mlp(1)
         opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, lr=lr)
         _gsam_step(model, opt, [(x, y)], scaler=scaler, clip=c)
         runs.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    w0 = torch.cat([p.detach().flatten() for p in _mlp(1).parameters()])
+    w0 = torch.cat([p.detach().flatten() for p in toy_mlp(1).parameters()])
     assert torch.equal(runs[0], runs[1])
     assert (runs[0] - w0).norm() <= lr * clip * (1 + 1e-5) < (runs[2] - w0).norm()
 
@@ -726,9 +695,9 @@ def test_gsams_loop_under_a_gradscaler_is_fp32s_step_and_clipping_bounds_it():
 def test_rho_t_stays_in_rho_min_rho():
     """GL12: below lr_min (a warm-up from 0) or above lr_max, big_vision's line leaves [rho_min, rho] (here -0.011 at
     lr 0: w moved down the gradient); it is clamped. Oracle: the closed form, and the length of first_step's move."""
-    x, y = _data(0, 8, F64)
+    x, y = toy_data(0, 8, F64)
     for lr, want in ((0.0, 0.0), (5e-5, 0.0), (1e-4, 0.0), (5.5e-4, 0.05), (1e-3, 0.1), (2e-3, 0.1)):
-        m = _mlp(0).to(F64)
+        m = toy_mlp(0).to(F64)
         o = GSAM(m.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, rho_min=0.0, lr_max=1e-3, lr_min=1e-4, lr=lr)
         assert o.radius(o.param_groups[0]) == pytest.approx(want, abs=1e-15), lr
         w0 = torch.cat([p.detach().flatten() for p in m.parameters()])
@@ -739,9 +708,9 @@ def test_rho_t_stays_in_rho_min_rho():
 
 
 def test_gsam_gradient_all_reduce_must_be_a_bool():
-    m = _mlp(0)
+    m = toy_mlp(0)
     o = GSAM(m.parameters(), torch.optim.SGD, rho=0.1, alpha=0.3, lr=0.1)
-    x, y = _data(0, 8)
+    x, y = toy_data(0, 8)
     F.cross_entropy(m(x), y).backward()
     o.first_step(zero_grad=True)
     F.cross_entropy(m(x), y).backward()
@@ -759,10 +728,10 @@ def test_a_vanishing_gradient_gives_the_limit_not_nan(vanishes, minimize_fp):
     -alpha g (minimize_fp) or g; with g = 0 (then eps = 0, g_p = grad L(w) =: g1), d = g1 or alpha g1. Oracle: those
     closed forms from autograd's gradient in fp64, through an SGD step."""
     alpha, lr = 0.4, 0.1
-    model = _mlp(0).to(F64)
+    model = toy_mlp(0).to(F64)
     opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.1, alpha=alpha, lr=lr, minimize_fp=minimize_fp)
-    x, y = _data(0, 8, F64)
-    w0 = _params(model)
+    x, y = toy_data(0, 8, F64)
+    w0 = clone_params(model)
     g = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
     dead = lambda: 0 * model(x).sum()  # noqa: E731 (a loss with a zero gradient)
     with first_pass(model):
@@ -781,14 +750,14 @@ def test_a_sam_checkpoint_loaded_into_gsam_takes_the_constructors_gsam_settings(
     """SAM's state_dict holds rho/adaptive/eta but no alpha, rho_min, adaptive_perturbation: GSAM fills in its
     constructor's (the file's rho and lr win, as documented), and its next step is big_vision's gsam_gradient with
     those settings (the fp64 oracle above)."""
-    model = _mlp(0).to(F64)
+    model = toy_mlp(0).to(F64)
     ckpt = SAM(model.parameters(), torch.optim.SGD, rho=0.3, lr=0.2).state_dict()
     cfg = dict(rho_min=0.1, alpha=0.4, lr_max=0.5, lr_min=0.05)
     opt = GSAM(model.parameters(), torch.optim.SGD, rho=0.9, adaptive_perturbation=True, lr=0.9, **cfg)
     opt.load_state_dict(ckpt)
     assert {k: opt.param_groups[0][k] for k in ('rho', 'lr', 'rho_min', 'alpha', 'adaptive_perturbation')} == \
         dict(rho=0.3, lr=0.2, rho_min=0.1, alpha=0.4, adaptive_perturbation=True)
-    x, y = _data(0, 8, F64)
+    x, y = toy_data(0, 8, F64)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     d = _gsam_gradient(_mlp_loss, params, x, y, rho_max=0.3, lr=0.2, adaptive_perturbation=True, **cfg)[1]
     _gsam_step(model, opt, [(x, y)])

@@ -486,7 +486,7 @@ def test_under_torchrun_a_process_without_images_joins_and_none_at_all_is_refuse
     process, or a NaN image on one: both ranks raise the same ValueError (a collective decides: no rank is left
     waiting in an all-reduce)."""
     import torch.multiprocessing as mp
-    from test_geometry import free_port
+    from toys import free_port
     mp.start_processes(no_images_worker, (free_port(), str(tmp_path)), nprocs=2, start_method='fork')
     ranks = [torch.load(tmp_path / f'{r}.pt') for r in (0, 1)]
     model, B = lib_mlp()
@@ -554,7 +554,7 @@ def test_repeats_under_torchrun_equal_one_process(cifar10_dir, tmp_path, one_thr
     import os
     import subprocess
     import sys
-    from test_geometry import free_port
+    from toys import free_port
     common = ['hessian', '--model', 'vit_s4_cifar', '--model-kw', 'dim=16', 'depth=1', 'heads=2', '--data',
               str(cifar10_dir), '--images', '24', '--batch-size', '4', '--repeats', '2', '--iters', '4', '--tol', '0',
               '--top-k', '2', '--trace', '4']

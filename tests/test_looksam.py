@@ -10,8 +10,7 @@ import json
 import math
 import os
 import re
-import shutil
-import socket
+from unittest import mock
 
 import pytest
 import torch
@@ -22,29 +21,11 @@ import torch.nn.functional as F
 
 from looksam import LookSAM
 from sam import SAM, first_pass, second_pass
+from toys import all_equal, clone_params, flat_grad, free_port, toy_data, toy_mlp
 
 F64 = torch.float64
 pytestmark = pytest.mark.usefixtures('one_thread')  # tiny ops: a second thread only contends
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _mlp(seed, bn=False, dtype=torch.float32):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16) if bn else nn.LayerNorm(16), nn.GELU(),
-                         nn.Linear(16, 3)).to(dtype)
-
-
-def _data(seed, n, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g).to(dtype), torch.randint(0, 3, (n,), generator=g)
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _look_step(model, opt, groups, scaler=None, clip=None, all_reduce=False, plant=None):
@@ -77,24 +58,15 @@ def _look_step(model, opt, groups, scaler=None, clip=None, all_reduce=False, pla
 # -----------------------------------------------------------------------------
 # The oracle: Algorithm 1 with g, g_s, g_v as flat fp64 vectors; SGD with momentum (torch's: buf = g first, then
 # mu buf + g; no dampening) written out
-def _flat_grad(model, w, x, y):
-    shapes = [p.shape for p in model.parameters()]
-    names = [n for n, _ in model.named_parameters()]
-    w = w.detach().requires_grad_(True)
-    views = dict(zip(names, (v.view(s) for v, s in zip(w.split([s.numel() for s in shapes]), shapes))))
-    loss = F.cross_entropy(torch.func.functional_call(model, views, (x,)), y)
-    return torch.autograd.grad(loss, w)[0]
-
-
 def _oracle(k, alpha, rho, steps, lr=0.1, mu=0.9):
-    model = _mlp(0, dtype=F64)
+    model = toy_mlp(0, dtype=F64)
     w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     buf = g_v = None
     for t in range(steps):
-        x, y = _data(100 + t, 8, F64)
-        g = _flat_grad(model, w, x, y)
+        x, y = toy_data(100 + t, 8, F64)
+        g = flat_grad(model, w, x, y)
         if t % k == 0:
-            g_s = _flat_grad(model, w + rho * g / g.norm(), x, y)
+            g_s = flat_grad(model, w + rho * g / g.norm(), x, y)
             g_v = g_s - (g_s @ g) / (g @ g) * g
             g_hat = g_s
         else:
@@ -107,10 +79,10 @@ def _oracle(k, alpha, rho, steps, lr=0.1, mu=0.9):
 @pytest.mark.parametrize('alpha', [0.0, 0.7])
 def test_matches_algorithm_1_in_fp64(alpha):
     """14 steps with k = 5: refreshes at t = 0, 5, 10, reuse steps between, against the transcription (fp64)."""
-    model = _mlp(0, dtype=F64)
+    model = toy_mlp(0, dtype=F64)
     opt = LookSAM(model.parameters(), torch.optim.SGD, rho=0.3, k=5, alpha=alpha, lr=0.1, momentum=0.9)
     for t in range(14):
-        _look_step(model, opt, [_data(100 + t, 8, F64)])
+        _look_step(model, opt, [toy_data(100 + t, 8, F64)])
     want = _oracle(5, alpha, 0.3, 14)
     got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
@@ -121,11 +93,11 @@ def test_per_tensor_option_is_another_algorithm():
     """per_tensor=True (the ports' variant): each tensor's own c and ||g_v||; not Algorithm 1 (fp64 oracle)."""
     runs = []
     for per_tensor in (False, True):
-        model = _mlp(0, dtype=F64)
+        model = toy_mlp(0, dtype=F64)
         opt = LookSAM(model.parameters(), torch.optim.SGD, rho=0.3, k=5, alpha=0.7, per_tensor=per_tensor, lr=0.1,
                       momentum=0.9)
         for t in range(7):
-            _look_step(model, opt, [_data(100 + t, 8, F64)])
+            _look_step(model, opt, [toy_data(100 + t, 8, F64)])
         runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     torch.testing.assert_close(runs[0], _oracle(5, 0.7, 0.3, 7), rtol=0, atol=1e-12)
     assert (runs[0] - runs[1]).abs().max() > 1e-6
@@ -159,14 +131,14 @@ def test_k_one_is_sam_and_alpha_zero_is_sam_every_k_steps(base, kw, k, alpha):
     """BatchNorm, 2 m-sharpness groups: k = 1 is SAM on every step, alpha = 0 SAM on every k-th (bit for bit)."""
     runs = []
     for cls in (SAM, LookSAM):
-        model = _mlp(0, bn=True)
+        model = toy_mlp(0, bn=True)
         opt = cls(model.parameters(), base, rho=0.2, **kw, **(dict(k=k, alpha=alpha) if cls is LookSAM else {}))
         for t in range(7):
-            x, y = _data(t, 8)
+            x, y = toy_data(t, 8)
             groups = list(zip(x.split(4), y.split(4)))
             _look_step(model, opt, groups) if cls is LookSAM else _sam_step(model, opt, groups, two=t % k == 0)
-        runs.append(_params(model) + [b.clone() for b in model.buffers()])
-    assert _same(*runs)
+        runs.append(clone_params(model) + [b.clone() for b in model.buffers()])
+    assert all_equal(*runs)
 
 
 @pytest.mark.parametrize('base,kw', BASES, ids=['sgd', 'adamw'])
@@ -174,19 +146,19 @@ def test_rho_zero_is_the_base_optimizer_bit_for_bit(base, kw):
     """rho = 0: g_s = g, so g_v = 0 exactly and the reuse term is 0: the base optimizer's run (k 3, alpha 0.7)."""
     runs = []
     for look in (False, True):
-        model = _mlp(0, bn=True)
+        model = toy_mlp(0, bn=True)
         opt = LookSAM(model.parameters(), base, rho=0.0, k=3, alpha=0.7, **kw) if look else base(model.parameters(),
                                                                                                  **kw)
         for t in range(7):
-            x, y = _data(t, 8)
+            x, y = toy_data(t, 8)
             if look:
                 _look_step(model, opt, [(x, y)])
             else:
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        runs.append(_params(model) + [b.clone() for b in model.buffers()])
-    assert _same(*runs)
+        runs.append(clone_params(model) + [b.clone() for b in model.buffers()])
+    assert all_equal(*runs)
 
 
 # -----------------------------------------------------------------------------
@@ -203,9 +175,9 @@ def _clean_grad(model, x, y):
 def test_g_v_is_orthogonal_to_g_and_the_reuse_term_has_norm_alpha_g(per_tensor):
     """fp64: after a refresh g_v/||g_v|| has norm 1 and <g_v, g> = 0 (1e-12; per tensor: each tensor's); on a reuse
     step look_gradient adds a term of norm alpha ||g|| (per tensor: alpha ||g_p||)."""
-    model = _mlp(0, dtype=F64)
+    model = toy_mlp(0, dtype=F64)
     opt = LookSAM(model.parameters(), torch.optim.SGD, rho=0.3, k=4, alpha=0.7, per_tensor=per_tensor, lr=0.1)
-    x, y = _data(0, 8, F64)
+    x, y = toy_data(0, 8, F64)
     g = _clean_grad(model, x, y)
     _look_step(model, opt, [(x, y)])
     u = [opt.g_v[p] for p in model.parameters()]
@@ -217,7 +189,7 @@ def test_g_v_is_orthogonal_to_g_and_the_reuse_term_has_norm_alpha_g(per_tensor):
         dot, norm = sum((ui * gi).sum().item() for ui, gi in zip(u, g)), math.sqrt(sum(gi.square().sum().item()
                                                                                        for gi in g))
         assert abs(dot) < 1e-12 * norm
-    x, y = _data(1, 8, F64)
+    x, y = toy_data(1, 8, F64)
     g = _clean_grad(model, x, y)
     F.cross_entropy(model(x), y).backward()
     opt.look_gradient()
@@ -235,12 +207,12 @@ def test_g_v_is_orthogonal_to_g_and_the_reuse_term_has_norm_alpha_g(per_tensor):
 def test_zero_gradients_give_no_nan(per_tensor, where):
     """A tensor whose gradient is all zero (or every gradient zero) at a refresh and a reuse step: finite weights,
     finite g_v (0 there), no NaN (one port divides by its ||g_v|| there)."""
-    model = _mlp(0)
+    model = toy_mlp(0)
     opt = LookSAM(model.parameters(), torch.optim.SGD, rho=0.1, k=2, alpha=0.7, per_tensor=per_tensor, lr=0.1,
                   momentum=0.9)
     params = list(model.parameters())
     for t in range(4):
-        x, y = _data(t, 8)
+        x, y = toy_data(t, 8)
         two = opt.refresh
         for _ in range(2 if two else 1):
             loss = F.cross_entropy(model(x), y) * (0.0 if where == 'everywhere' else 1.0)
@@ -258,12 +230,12 @@ def test_zero_gradients_give_no_nan(per_tensor, where):
 @pytest.mark.parametrize('form', ['loop', 'closure'])
 def test_forward_passes_over_t_steps_are_t_plus_ceil_t_over_k(form):
     """Counted by a forward hook: T + ceil(T/k) passes over T steps (k 5, T 12: 15), in the loop and the closure."""
-    model = _mlp(0)
+    model = toy_mlp(0)
     passes = []
     model.register_forward_pre_hook(lambda *_: passes.append(1))
     opt = LookSAM(model.parameters(), torch.optim.SGD, rho=0.1, k=5, alpha=0.7, lr=0.1)
     for t in range(12):
-        x, y = _data(t, 8)
+        x, y = toy_data(t, 8)
         if form == 'loop':
             _look_step(model, opt, [(x, y)])
         else:
@@ -291,46 +263,36 @@ def _ddp_worker(rank, world, port, out):
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world)
     try:
-        calls, real = [], dist.all_reduce
-
-        def counted(*a, **kw):
-            calls.append(1)
-            return real(*a, **kw)
-        dist.all_reduce = counted  # looksam.py calls torch.distributed.all_reduce: count its collectives
+        patch = mock.patch.object(dist, 'all_reduce', wraps=dist.all_reduce)
+        counted = patch.start()  # looksam.py calls torch.distributed.all_reduce: count its collectives
         res = []
         for name, g in D_CONFIGS + [('msam', 1)]:
-            calls.clear()
-            model = _mlp(0, bn=name != 'mlp', dtype=F64)
+            counted.reset_mock()
+            model = toy_mlp(0, bn=name != 'mlp', dtype=F64)
             ddp = nn.parallel.DistributedDataParallel(model)
             opt = MSAM(ddp.parameters(), torch.optim.SGD, **M_KW) if name == 'msam' else \
                 LookSAM(ddp.parameters(), torch.optim.SGD, **D_KW)
             per = g * D_M
             for step in range(D_STEPS):
-                x, y = _data(50 + step, world * per, F64)
+                x, y = toy_data(50 + step, world * per, F64)
                 xr, yr = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
                 if name == 'msam':
                     _msam_step(ddp, opt, [(xr, yr)])
                 else:
                     _look_step(ddp, opt, list(zip(xr.split(D_M), yr.split(D_M))), all_reduce=True)
-            res.append({'final': _params(model), 'allreduces': len(calls),
+            res.append({'final': clone_params(model), 'allreduces': counted.call_count,
                         'g_v': [opt.g_v[p].clone() for p in model.parameters()] if name != 'msam' else []})
-        dist.all_reduce = real
+        patch.stop()
         torch.save(res, os.path.join(out, f'rank{rank}.pt'))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope='module')
 def ddp_runs(tmp_path_factory):
     out, world = tmp_path_factory.mktemp('ddp'), 2
-    mp.spawn(_ddp_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+    mp.spawn(_ddp_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
     return [torch.load(out / f'rank{r}.pt') for r in range(world)]
 
 
@@ -338,14 +300,14 @@ def test_ddp_ranks_equal_one_process_with_groups(ddp_runs):
     """2 ranks x g groups == 1 process x 2g groups (fp64, 1e-12; BatchNorm with g = 1) over 2 cycles of k = 2; the
     weights and the cached g_v identical on both ranks; one all-reduce of g per refresh, none on reuse steps."""
     for i, (name, g) in enumerate(D_CONFIGS):
-        model = _mlp(0, bn=name == 'bn', dtype=F64)
+        model = toy_mlp(0, bn=name == 'bn', dtype=F64)
         opt = LookSAM(model.parameters(), torch.optim.SGD, **D_KW)
         for step in range(D_STEPS):
-            x, y = _data(50 + step, 2 * g * D_M, F64)
+            x, y = toy_data(50 + step, 2 * g * D_M, F64)
             _look_step(model, opt, list(zip(x.split(D_M), y.split(D_M))))
         for key in ('final', 'g_v'):
-            assert _same(ddp_runs[0][i][key], ddp_runs[1][i][key]), (name, key)
-        for a, c in zip(ddp_runs[0][i]['final'] + ddp_runs[0][i]['g_v'], _params(model) + list(opt.g_v.values())):
+            assert all_equal(ddp_runs[0][i][key], ddp_runs[1][i][key]), (name, key)
+        for a, c in zip(ddp_runs[0][i]['final'] + ddp_runs[0][i]['g_v'], clone_params(model) + list(opt.g_v.values())):
             torch.testing.assert_close(a, c, rtol=0, atol=1e-12)
         assert ddp_runs[0][i]['allreduces'] == D_STEPS // D_KW['k'], name
 
@@ -355,13 +317,13 @@ def test_msam_ddp_ranks_equal_one_process_with_micro_batches(ddp_runs):
     equal to one process taking the two ranks' images as two micro-batches (fp64, 1e-12); no extra collective."""
     from msam import MSAM
     from test_msam import _msam_step
-    model = _mlp(0, bn=True, dtype=F64)
+    model = toy_mlp(0, bn=True, dtype=F64)
     opt = MSAM(model.parameters(), torch.optim.SGD, **M_KW)
     for step in range(D_STEPS):
-        x, y = _data(50 + step, 2 * D_M, F64)
+        x, y = toy_data(50 + step, 2 * D_M, F64)
         _msam_step(model, opt, list(zip(x.split(D_M), y.split(D_M))))
-    assert _same(ddp_runs[0][-1]['final'], ddp_runs[1][-1]['final']) and ddp_runs[0][-1]['allreduces'] == 0
-    for a, c in zip(ddp_runs[0][-1]['final'], _params(model)):
+    assert all_equal(ddp_runs[0][-1]['final'], ddp_runs[1][-1]['final']) and ddp_runs[0][-1]['allreduces'] == 0
+    for a, c in zip(ddp_runs[0][-1]['final'], clone_params(model)):
         torch.testing.assert_close(a, c, rtol=0, atol=1e-12)
 
 
@@ -373,18 +335,18 @@ def test_overflow_skips_the_step_with_w_and_g_v_exact(plant, at):
     """An inf/nan in a refresh's first (group 1 of 2) or second pass, or in a reuse step's pass (k 2; the step at
     t = at, after a refresh at t = 0): the weights and the cached g_v are exactly as before the step, the scale is
     halved; the next step trains."""
-    model = _mlp(0)
+    model = toy_mlp(0)
     opt = LookSAM(model.parameters(), torch.optim.AdamW, rho=0.2, k=2, alpha=0.5, lr=1e-2)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
     for step in range(at + 1):
-        x, y = _data(step, 8)
+        x, y = toy_data(step, 8)
         if step == at:
-            w0, v0, scale = _params(model), {p: v.clone() for p, v in opt.g_v.items()}, scaler.get_scale()
+            w0, v0, scale = clone_params(model), {p: v.clone() for p, v in opt.g_v.items()}, scaler.get_scale()
         _look_step(model, opt, list(zip(x.split(4), y.split(4))), scaler, plant=plant if step == at else None)
-    assert v0 and _same(_params(model), w0) and scaler.get_scale() == scale / 2
+    assert v0 and all_equal(clone_params(model), w0) and scaler.get_scale() == scale / 2
     assert v0.keys() == opt.g_v.keys() and all(torch.equal(v, opt.g_v[p]) for p, v in v0.items())
-    _look_step(model, opt, [_data(9, 8)], scaler)
-    assert not _same(_params(model), w0)
+    _look_step(model, opt, [toy_data(9, 8)], scaler)
+    assert not all_equal(clone_params(model), w0)
 
 
 def test_loss_scale_and_clipping():
@@ -392,17 +354,17 @@ def test_loss_scale_and_clipping():
     same weights as without a scaler, bit for bit. Clipping after look_gradient clips g_hat."""
     runs = []
     for scale in (None, 2.0 ** 10):
-        model = _mlp(0)
+        model = toy_mlp(0)
         opt = LookSAM(model.parameters(), torch.optim.SGD, rho=0.2, k=3, alpha=0.7, lr=0.1, momentum=0.9)
         scaler = torch.amp.GradScaler('cpu', init_scale=scale) if scale else None
         for t in range(7):
-            _look_step(model, opt, [_data(t, 8)], scaler)
-        runs.append(_params(model) + list(opt.g_v.values()))
-    assert _same(*runs)
-    model = _mlp(0)
+            _look_step(model, opt, [toy_data(t, 8)], scaler)
+        runs.append(clone_params(model) + list(opt.g_v.values()))
+    assert all_equal(*runs)
+    model = toy_mlp(0)
     opt = LookSAM(model.parameters(), torch.optim.SGD, rho=0.2, k=3, alpha=0.7, lr=0.1)
-    _look_step(model, opt, [_data(0, 8)])
-    x, y = _data(1, 8)
+    _look_step(model, opt, [toy_data(0, 8)])
+    x, y = toy_data(1, 8)
     g = _clean_grad(model, x, y)
     F.cross_entropy(model(x), y).backward()
     opt.look_gradient()
@@ -420,7 +382,7 @@ def test_state_dict_resume_mid_cycle_is_bit_identical():
     """7 steps (k 3) == 4 steps, state_dict (t = 4: mid-cycle, g_v of t = 3) through torch.save, a new optimizer,
     3 steps; AdamW, 2 m-sharpness groups, BatchNorm."""
     def run(cut):
-        model = _mlp(0, bn=True)
+        model = toy_mlp(0, bn=True)
         opt = LookSAM(model.parameters(), torch.optim.AdamW, rho=0.2, k=3, alpha=0.7, lr=1e-2)
         for t in range(7):
             if t == cut:
@@ -428,32 +390,32 @@ def test_state_dict_resume_mid_cycle_is_bit_identical():
                 torch.save({'model': model.state_dict(), 'opt': opt.state_dict()}, buf)
                 buf.seek(0)
                 saved = torch.load(buf, weights_only=True)
-                model = _mlp(1, bn=True)
+                model = toy_mlp(1, bn=True)
                 model.load_state_dict(saved['model'])
                 opt = LookSAM(model.parameters(), torch.optim.AdamW, rho=0.2, k=3, alpha=0.7, lr=1e-2)
                 opt.load_state_dict(saved['opt'])
                 assert opt.t == 4 and not opt.refresh
-            x, y = _data(t, 8)
+            x, y = toy_data(t, 8)
             _look_step(model, opt, list(zip(x.split(4), y.split(4))))
-        return _params(model)
-    assert _same(run(None), run(4))
+        return clone_params(model)
+    assert all_equal(run(None), run(4))
 
 
 def test_no_host_sync_in_refresh_or_reuse_steps():
     from test_sam import _count_host_syncs
-    model = _mlp(0, bn=True)
+    model = toy_mlp(0, bn=True)
     opt = LookSAM(model.parameters(), torch.optim.SGD, rho=0.2, k=2, alpha=0.7, lr=0.1, momentum=0.9)
     for t in range(4):
-        x, y = _data(t, 8)
+        x, y = toy_data(t, 8)
         with _count_host_syncs() as calls:
             _look_step(model, opt, list(zip(x.split(4), y.split(4))))
         assert calls == [], t
 
 
 def test_misuse_fails_loudly():
-    model = _mlp(0)
+    model = toy_mlp(0)
     opt = LookSAM(model.parameters(), torch.optim.SGD, rho=0.2, k=2, lr=0.1)
-    x, y = _data(0, 8)
+    x, y = toy_data(0, 8)
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match='this step is a refresh'):
         opt.look_gradient()
@@ -474,7 +436,7 @@ def test_misuse_fails_loudly():
                                         (dict(alpha=math.nan), 'got nan'), (dict(rho=-1.0), 'rho must be')])
 def test_bad_settings_are_refused(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        LookSAM(_mlp(0).parameters(), torch.optim.SGD, lr=0.1, **kw)
+        LookSAM(toy_mlp(0).parameters(), torch.optim.SGD, lr=0.1, **kw)
 
 
 # -----------------------------------------------------------------------------
@@ -541,18 +503,6 @@ def test_cifar_looksam_stopped_mid_cycle_resumes_bit_identically(cifar10_dir, tm
     assert _same_state(whole, torch.load(tmp_path / 'cut' / 'last.pt', weights_only=True)['model'])
 
 
-@pytest.fixture(scope='module')
-def imagenet_dir(cifar10_dir, tmp_path_factory):
-    """40 CIFAR training and 10 test images in train_imagenet.py's folder layout."""
-    root = tmp_path_factory.mktemp('imagenet')
-    for split, src, n in (('train', 'train', 4), ('val', 'test', 1)):
-        for c in sorted(os.listdir(cifar10_dir / src)):
-            (root / split / c).mkdir(parents=True)
-            for f in sorted(os.listdir(cifar10_dir / src / c))[:n]:
-                shutil.copy(cifar10_dir / src / c / f, root / split / c / f.replace('.jpg', '.JPEG'))
-    return root
-
-
 def _imagenet(root, out, *extra, steps=4):
     """train_imagenet.main: a 1-block ViT, 2 micro-batches of 4 (m-sharpness groups of 2 with --sam-m 2), a
     checkpoint every step -> the final state_dict."""
@@ -613,12 +563,12 @@ def test_the_scripts_train_step_is_the_leafs_loop(script, method):
     mod = __import__(script)
     runs = []
     for loop in ('script', 'leaf'):
-        model = _mlp(0, bn=True)
+        model = toy_mlp(0, bn=True)
         opt = LookSAM(model.parameters(), torch.optim.AdamW, rho=0.2, k=2, alpha=0.7, lr=1e-2) if method == 'looksam' \
             else MSAM(model.parameters(), torch.optim.AdamW, rho=0.5, lr=1e-2)
         scaler = torch.amp.GradScaler('cpu', enabled=False)
         for t in range(5):
-            x, y = _data(t, 8)
+            x, y = toy_data(t, 8)
             m = 4 if script == 'train_cifar' else 2
             if loop == 'leaf':  # (MSAM: the script's micro-batches; train_cifar has none, no groups without --sam)
                 n = m if method == 'looksam' else 8 if script == 'train_cifar' else 4
@@ -631,8 +581,8 @@ def test_the_scripts_train_step_is_the_leafs_loop(script, method):
             else:
                 mod.train_step(model, opt, scaler, [(x[:4], y[:4]), (x[4:], y[4:])], sam=method == 'looksam',
                                clip_grad=0.0, sam_m=m)
-        runs.append(_params(model) + [b.clone() for b in model.buffers()])
-    assert _same(*runs)
+        runs.append(clone_params(model) + [b.clone() for b in model.buffers()])
+    assert all_equal(*runs)
 
 
 @pytest.mark.parametrize('method', ['look', 'msam'])
@@ -654,4 +604,4 @@ def test_bench_times_the_leafs_loop_and_counts_its_passes(method):
         step()
         for t in range(5 if method == 'look' else 1):
             _look_step(twin, twin_opt, [(x, y)]) if method == 'look' else _msam_step(twin, twin_opt, [(x, y)])
-    assert _same(_params(module), _params(twin)) and len(passes) == (12 if method == 'look' else 2)
+    assert all_equal(clone_params(module), clone_params(twin)) and len(passes) == (12 if method == 'look' else 2)

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from msam import MSAM
-from test_looksam import F64, _data, _flat_grad, _mlp, _params, _same, imagenet_dir  # noqa: F401 (a fixture)
+from toys import all_equal, clone_params, flat_grad, toy_data, toy_mlp
+
+F64 = torch.float64
 
 pytestmark = pytest.mark.usefixtures('one_thread')  # tiny ops: a second thread only contends
 
@@ -36,14 +38,14 @@ def _msam_step(model, opt, micro, scaler=None, clip=None, plant=False):
 # -----------------------------------------------------------------------------
 # The oracle: Algorithm 1 as the paper writes it (the shift carried over and undone arithmetically), flat fp64
 def _oracle(base, rho, steps, lr, mu=0.9, betas=(0.9, 0.999), eps=1e-8, wd=0.0):
-    model = _mlp(0, dtype=F64)
+    model = toy_mlp(0, dtype=F64)
     w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     m = torch.zeros_like(w)  # v_0 = 0 (SGD); Adam's first moment m_0 = 0
     s = torch.zeros_like(w)  # Adam's second moment
     w_tilde = w.clone()      # w_tilde_0 = w_0 - rho 0/||0||: no shift
     for t in range(steps):
-        x, y = _data(200 + t, 8, F64)
-        g = _flat_grad(model, w_tilde, x, y)                    # perturbed forward + backward pass
+        x, y = toy_data(200 + t, 8, F64)
+        g = flat_grad(model, w_tilde, x, y)                    # perturbed forward + backward pass
         w = w_tilde + (rho * m / m.norm() if m.norm() > 0 else 0)  # remove last perturbation
         if base == 'sgd':
             m = mu * m + g                                      # update momentum vector (torch: buf = g first)
@@ -60,10 +62,10 @@ def _oracle(base, rho, steps, lr, mu=0.9, betas=(0.9, 0.999), eps=1e-8, wd=0.0):
                                      ('adamw', dict(lr=1e-2, weight_decay=0.1))])
 def test_matches_algorithm_1_in_fp64(base, kw):
     """12 steps, rho 0.5: the optimizer equals the transcription (1e-12) and an off-by-one rho tells (1e-6)."""
-    model = _mlp(0, dtype=F64)
+    model = toy_mlp(0, dtype=F64)
     opt = MSAM(model.parameters(), torch.optim.SGD if base == 'sgd' else torch.optim.AdamW, rho=0.5, **kw)
     for t in range(12):
-        _msam_step(model, opt, [_data(200 + t, 8, F64)])
+        _msam_step(model, opt, [toy_data(200 + t, 8, F64)])
     got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     oracle_kw = dict(lr=kw['lr'], wd=kw.get('weight_decay', 0.0))
     torch.testing.assert_close(got, _oracle(base, 0.5, 12, **oracle_kw), rtol=0, atol=1e-12)
@@ -77,10 +79,10 @@ def test_rho_zero_is_the_base_optimizer_bit_for_bit(base, kw):
     """rho = 0 (what the scripts set during the warm-up): the base optimizer's run, BatchNorm buffers included."""
     runs = []
     for msam in (False, True):
-        model = _mlp(0, bn=True)
+        model = toy_mlp(0, bn=True)
         opt = MSAM(model.parameters(), base, rho=0.0, **kw) if msam else base(model.parameters(), **kw)
         for t in range(5):
-            x, y = _data(t, 8)
+            x, y = toy_data(t, 8)
             if msam:
                 _msam_step(model, opt, [(x[:4], y[:4]), (x[4:], y[4:])])
             else:
@@ -88,25 +90,25 @@ def test_rho_zero_is_the_base_optimizer_bit_for_bit(base, kw):
                     (F.cross_entropy(model(xb), yb) / 2).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        runs.append(_params(model) + [b.clone() for b in model.buffers()])
-    assert _same(*runs)
+        runs.append(clone_params(model) + [b.clone() for b in model.buffers()])
+    assert all_equal(*runs)
 
 
 def test_one_forward_pass_per_step_and_the_model_holds_w_between_steps():
     """T steps make T passes (closure form too); after a step the model holds w (no shift left in it): w_tilde is
     made from it exactly by the next perturb() and undone exactly by step()."""
-    model = _mlp(0)
+    model = toy_mlp(0)
     passes = []
     model.register_forward_pre_hook(lambda *_: passes.append(1))
     opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
     for t in range(6):
-        x, y = _data(t, 8)
+        x, y = toy_data(t, 8)
         if t % 2:
             _msam_step(model, opt, [(x, y)])
         else:
             opt.step(lambda: (opt.zero_grad(), F.cross_entropy(model(x), y).backward()))
     assert len(passes) == 6
-    w = _params(model)
+    w = clone_params(model)
     opt.perturb()
     m = [opt.state[p]['momentum_buffer'] for p in model.parameters()]
     norm = math.sqrt(sum(x.square().sum().item() for x in m))
@@ -114,30 +116,30 @@ def test_one_forward_pass_per_step_and_the_model_holds_w_between_steps():
         torch.testing.assert_close(p.detach(), w0 - 0.5 * mi / norm)
     with torch.no_grad():
         opt.restore()
-    assert _same(_params(model), w)
+    assert all_equal(clone_params(model), w)
 
 
 # -----------------------------------------------------------------------------
 # GradScaler, resume, host syncs, misuse, bad settings
 def test_overflow_skips_with_w_and_momentum_exact():
-    model = _mlp(0)
+    model = toy_mlp(0)
     opt = MSAM(model.parameters(), torch.optim.AdamW, rho=0.5, lr=1e-2)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
     for t in range(3):
-        _msam_step(model, opt, [_data(t, 8)], scaler)
-    w0, m0 = _params(model), [opt.state[p]['exp_avg'].clone() for p in model.parameters()]
-    _msam_step(model, opt, [_data(3, 8)], scaler, plant=True)
-    assert _same(_params(model), w0) and _same([opt.state[p]['exp_avg'] for p in model.parameters()], m0)
+        _msam_step(model, opt, [toy_data(t, 8)], scaler)
+    w0, m0 = clone_params(model), [opt.state[p]['exp_avg'].clone() for p in model.parameters()]
+    _msam_step(model, opt, [toy_data(3, 8)], scaler, plant=True)
+    assert all_equal(clone_params(model), w0) and all_equal([opt.state[p]['exp_avg'] for p in model.parameters()], m0)
     assert scaler.get_scale() == 2.0 ** 7
-    _msam_step(model, opt, [_data(4, 8)], scaler)
-    assert not _same(_params(model), w0)
+    _msam_step(model, opt, [toy_data(4, 8)], scaler)
+    assert not all_equal(clone_params(model), w0)
 
 
 def test_loss_scale_cancels_and_resume_mid_run_is_bit_identical():
     """A power-of-two loss scale: the weights of the unscaled run, bit for bit (m is unscaled). 6 steps == 3 steps,
     state_dict + model through torch.save, a new optimizer, 3 steps (the shift comes back from m)."""
     def run(scale=None, cut=None):
-        model = _mlp(0, bn=True)
+        model = toy_mlp(0, bn=True)
         opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
         scaler = torch.amp.GradScaler('cpu', init_scale=scale) if scale else None
         for t in range(6):
@@ -146,30 +148,30 @@ def test_loss_scale_cancels_and_resume_mid_run_is_bit_identical():
                 torch.save({'model': model.state_dict(), 'opt': opt.state_dict()}, buf)
                 buf.seek(0)
                 saved = torch.load(buf, weights_only=True)
-                model = _mlp(1, bn=True)
+                model = toy_mlp(1, bn=True)
                 model.load_state_dict(saved['model'])
                 opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
                 opt.load_state_dict(saved['opt'])
-            _msam_step(model, opt, [_data(t, 8)], scaler)
-        return _params(model)
+            _msam_step(model, opt, [toy_data(t, 8)], scaler)
+        return clone_params(model)
     whole = run()
-    assert _same(whole, run(scale=2.0 ** 10)) and _same(whole, run(cut=3))
+    assert all_equal(whole, run(scale=2.0 ** 10)) and all_equal(whole, run(cut=3))
 
 
 def test_no_host_sync_in_the_step():
     from test_sam import _count_host_syncs
-    model = _mlp(0, bn=True)
+    model = toy_mlp(0, bn=True)
     opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
     for t in range(3):
         with _count_host_syncs() as calls:
-            _msam_step(model, opt, [_data(t, 8)])
+            _msam_step(model, opt, [toy_data(t, 8)])
         assert calls == [], t
 
 
 def test_misuse_fails_loudly():
-    model = _mlp(0)
+    model = toy_mlp(0)
     opt = MSAM(model.parameters(), torch.optim.SGD, rho=0.5, lr=0.1, momentum=0.9)
-    F.cross_entropy(model(_data(0, 8)[0]), _data(0, 8)[1]).backward()
+    F.cross_entropy(model(toy_data(0, 8)[0]), toy_data(0, 8)[1]).backward()
     with pytest.raises(RuntimeError, match='began with perturb'):
         opt.step()
     with pytest.raises(RuntimeError, match='no gradient ascent'):
@@ -187,7 +189,7 @@ def test_misuse_fails_loudly():
 ])
 def test_bad_settings_are_refused(base, kw, error, message):
     with pytest.raises(error, match=re.escape(message)):
-        MSAM(_mlp(0).parameters(), base, **kw)
+        MSAM(toy_mlp(0).parameters(), base, **kw)
 
 
 # -----------------------------------------------------------------------------

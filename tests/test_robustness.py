@@ -9,7 +9,6 @@ import json
 import os
 import pkgutil
 import shutil
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -26,6 +25,7 @@ import robustness as rb
 import data
 import models
 from conftest import REPO
+from toys import free_port
 
 imagecorruptions = pytest.importorskip('imagecorruptions')
 
@@ -297,12 +297,6 @@ def test_on_the_fly_images_are_the_package_s_own_at_each_severity(tmp_path):
 # -----------------------------------------------------------------------------
 # Distributed: ranks see disjoint slices whose counts add up to one process's, and a real 2-process
 # gloo run of the script gives the same images, accuracies and attack figures as one process.
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 def craft(model, pool_images, labels, path, first):
     """Rewrite a cache file (5 x n rows) so that, at every severity, image i is a test image the model classifies as
     labels[i] (i >= first) or as another class (i < first: rank 0's rows): what a count of each cell must be, image
@@ -619,9 +613,9 @@ def test_rank_1_writes_only_its_rows_into_rank_0_s_memmap_and_sends_no_images(tm
     head = np.load(path, mmap_mode='r').offset
     written = np.fromfile(path, np.uint8)
     whole = written.copy()
-    for start, data in pieces:
-        assert not written[start:start + len(data)].any()  # not written by rank 1 itself
-        whole[start:start + len(data)] = np.frombuffer(data, np.uint8)
+    for start, chunk in pieces:
+        assert not written[start:start + len(chunk)].any()  # not written by rank 1 itself
+        whole[start:start + len(chunk)] = np.frombuffer(chunk, np.uint8)
     for s in range(1, 6):
         lo, hi = head + ((s - 1) * 10 + 5) * 3072, head + s * 10 * 3072  # rank 1's bytes of severity s
         a, b = -(-lo // 4096) * 4096, hi // 4096 * 4096  # the whole pages inside them: rank 1 writes those alone

@@ -6,7 +6,6 @@ import copy
 import io
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -17,27 +16,13 @@ import torch.nn.functional as F
 
 import convmixer
 from sam import SAM, first_pass, second_pass
+from toys import clone_params, free_port, toy_data, toy_mlp
 
 F64 = torch.float64
 
 
 # -----------------------------------------------------------------------------
 # helpers (the spawned DDP workers import this module, so everything stays at top level)
-def _mlp(seed):
-    """Tiny model without BatchNorm (LayerNorm is per-sample, so accumulation is exact)."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
-
-
-def _data(seed, n):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def _flat(tensors):
     return torch.cat([t.reshape(-1) for t in tensors])
 
@@ -149,11 +134,11 @@ def test_per_group_rho_and_adaptive_share_one_norm():
     (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05)),
 ], ids=['sgd', 'adamw'])
 def test_rho_zero_is_bit_identical_to_base(base, kw):
-    m_sam, m_ref = _mlp(0), _mlp(0)
+    m_sam, m_ref = toy_mlp(0), toy_mlp(0)
     opt = SAM(m_sam.parameters(), base, rho=0.0, **kw)
     ref = base(m_ref.parameters(), **kw)
     for step in range(4):
-        x, y = _data(step, 16)
+        x, y = toy_data(step, 16)
         _sam_step(m_sam, opt, [(x, y)])
         ref.zero_grad()
         F.cross_entropy(m_ref(x), y).backward()
@@ -177,15 +162,15 @@ def _ddp_worker(rank, world, port, out):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank,
                             world_size=world)
     try:
-        model = _mlp(0).to(F64)
+        model = toy_mlp(0).to(F64)
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = SAM(ddp.parameters(), torch.optim.SGD, **DDP_KW)
         scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)  # fp32 compute, as with fp16
         per = DDP_BATCH // world
         before, perturbed = [], []
         for step in range(DDP_STEPS):
-            before.append(_params(model))
-            x, y = _data(100 + step, DDP_BATCH)
+            before.append(clone_params(model))
+            x, y = toy_data(100 + step, DDP_BATCH)
             xr, yr = x[rank * per:(rank + 1) * per].to(F64), y[rank * per:(rank + 1) * per]
             micro = list(zip(xr.chunk(DDP_MICRO), yr.chunk(DDP_MICRO)))
             k = len(micro)
@@ -195,7 +180,7 @@ def _ddp_worker(rank, world, port, out):
             if step == DDP_OVERFLOW_STEP and rank == 0:
                 model[0].weight.grad[0, 0] = float('inf')
             opt.first_step(zero_grad=True)
-            perturbed.append(_params(model))
+            perturbed.append(clone_params(model))
             with second_pass(ddp):
                 for j, (xb, yb) in enumerate(micro):
                     with ddp.no_sync() if j < k - 1 else contextlib.nullcontext():
@@ -205,17 +190,11 @@ def _ddp_worker(rank, world, port, out):
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
-        torch.save({'final': _params(model), 'before': before, 'perturbed': perturbed, 'scale': scaler.get_scale()},
+        torch.save({'final': clone_params(model), 'before': before, 'perturbed': perturbed, 'scale': scaler.get_scale()},
                    os.path.join(out, f'rank{rank}.pt'))
         dist.barrier()  # leave together: gloo aborts a rank whose peer tore down first
     finally:
         dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def _both_ddp_workers(rank, world, ports, out):
@@ -230,9 +209,9 @@ def ddp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp('ddp')
     (out / 'sam').mkdir()
     (out / 'groups').mkdir()
-    ports = [_free_port()]
+    ports = [free_port()]
     while len(ports) < 2:
-        ports += [p for p in [_free_port()] if p != ports[0]]
+        ports += [p for p in [free_port()] if p != ports[0]]
     mp.spawn(_both_ddp_workers, args=(2, ports, str(out)), nprocs=2, join=True)
     return out
 
@@ -243,14 +222,14 @@ def test_ddp_m_sharpness_matches_single_process(ddp_runs):
 
     # Oracle: one process, plain autograd. Each sub-batch perturbs with its own gradient
     # (no all-reduce); the second-pass gradients of the sub-batches are averaged.
-    model = _mlp(0).to(F64)
+    model = toy_mlp(0).to(F64)
     params = list(model.parameters())
     ref = torch.optim.SGD(params, lr=DDP_KW['lr'], momentum=DDP_KW['momentum'])
     per = DDP_BATCH // world
     for step in range(DDP_STEPS):
-        x, y = _data(100 + step, DDP_BATCH)
+        x, y = toy_data(100 + step, DDP_BATCH)
         x = x.to(F64)
-        w = _params(model)
+        w = clone_params(model)
         if step == DDP_OVERFLOW_STEP:
             # rank 0 overflowed in its first pass: it did not move, rank 1 did, and BOTH skipped,
             # leaving w exactly as it was
@@ -295,17 +274,17 @@ def test_ddp_m_sharpness_matches_single_process(ddp_runs):
 def test_eps_is_invariant_to_loss_scale_and_first_gradient_clipping(adaptive):
     """eps = rho*g/||g|| (ASAM: rho*T^2 g/||T g||) ignores any rescaling of g: a loss scale, or
     clipping the first gradient, moves w exactly as the plain first pass does."""
-    x, y = _data(0, 16)
+    x, y = toy_data(0, 16)
     moved = []
     for scale, clip in ((1.0, None), (2.0 ** 16, None), (3.0e3, None), (1.0, 1e-3)):
-        m = _mlp(0)
+        m = toy_mlp(0)
         opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, adaptive=adaptive, lr=0.1)
         (scale * F.cross_entropy(m(x), y)).backward()
         if clip:
             assert torch.nn.utils.clip_grad_norm_(m.parameters(), clip) > 100 * clip
         opt.first_step()
-        moved.append(_params(m))
-    w0 = _params(_mlp(0))
+        moved.append(clone_params(m))
+    w0 = clone_params(toy_mlp(0))
     assert max((a - b).abs().max() for a, b in zip(moved[0], w0)) > 1e-3  # w did move
     for other in moved[1:]:
         for a, b in zip(moved[0], other):
@@ -314,19 +293,19 @@ def test_eps_is_invariant_to_loss_scale_and_first_gradient_clipping(adaptive):
 
 def _run(steps, base=torch.optim.SGD, autocast=None, scaler=None, rho=0.5, **kw):
     kw = kw or dict(lr=0.1, momentum=0.9)
-    m = _mlp(0)
+    m = toy_mlp(0)
     opt = SAM(m.parameters(), base, rho=rho, **kw)
     for step in range(steps):
-        x, y = _data(step, 32)
+        x, y = toy_data(step, 32)
         _sam_step(m, opt, [(x, y)], scaler=scaler, autocast=autocast)
-    return _params(m)
+    return clone_params(m)
 
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=['bf16', 'fp16'])
 def test_autocast_matches_fp32(dtype):
     """bf16 autocast without a scaler; fp16 autocast with GradScaler('cpu'). The update after 3
     steps matches fp32 far more closely than it matches the plain (rho = 0) update."""
-    w0 = _params(_mlp(0))
+    w0 = clone_params(toy_mlp(0))
     fp32 = _run(3)
     plain = _run(3, rho=0.0)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 12) if dtype == torch.float16 else None
@@ -342,11 +321,11 @@ def test_autocast_matches_fp32(dtype):
 def test_fp16_overflow_in_first_pass_skips_and_keeps_weights():
     """A real fp16 overflow (loss scale 2^40 under fp16 autocast): first_step does not move w and
     keeps the non-finite gradients; GradScaler skips the step; the scale halves; w is unchanged."""
-    m = _mlp(0)
+    m = toy_mlp(0)
     opt = SAM(m.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 40)
-    x, y = _data(0, 32)
-    w0 = _params(m)
+    x, y = toy_data(0, 32)
+    w0 = clone_params(m)
     with first_pass(m):
         with torch.autocast('cpu', dtype=torch.float16):
             loss = F.cross_entropy(m(x), y)
@@ -373,11 +352,11 @@ def test_fp16_overflow_in_first_pass_skips_and_keeps_weights():
 def test_injected_overflow_skips_and_restores_exactly(where):
     """fp32 compute with an inf injected into one pass. An overflow in the SECOND pass is the
     dangerous case: w sits at w + eps, GradScaler skips the step, and SAM must still restore w."""
-    m = _mlp(0)
+    m = toy_mlp(0)
     opt = SAM(m.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
-    x, y = _data(0, 32)
-    w0 = _params(m)
+    x, y = toy_data(0, 32)
+    w0 = clone_params(m)
     with first_pass(m):
         scaler.scale(F.cross_entropy(m(x), y)).backward()
     if where == 'first':
@@ -406,13 +385,13 @@ def test_gradscaler_with_or_without_unscale_call():
     (power-of-two scale, fp32 compute) the same as no scaler at all."""
     runs = []
     for unscale in (True, False):
-        m = _mlp(0)  # SGD: its update is proportional to the gradient, so a missed unscale shows
+        m = toy_mlp(0)  # SGD: its update is proportional to the gradient, so a missed unscale shows
         opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1, momentum=0.9)
         scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)
         for step in range(3):
-            x, y = _data(step, 32)
+            x, y = toy_data(step, 32)
             _sam_step(m, opt, [(x, y)], scaler=scaler, unscale=unscale)
-        runs.append(_params(m))
+        runs.append(clone_params(m))
     fp32 = _run(3, rho=0.1, lr=0.1, momentum=0.9)
     for a, b, c in zip(*runs, fp32):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -456,12 +435,12 @@ def test_second_pass_freezes_batchnorm_statistics():
 # 6. gradient accumulation == one pass over the concatenated batch
 def test_accumulation_equals_big_batch():
     """In float64: k micro-batches sum in another order than one batch (fp32 noise ~1e-7, CPU-dependent)."""
-    m_acc, m_big = _mlp(0).to(F64), _mlp(0).to(F64)
+    m_acc, m_big = toy_mlp(0).to(F64), toy_mlp(0).to(F64)
     kw = dict(rho=0.2, lr=0.1, momentum=0.9)
     o_acc = SAM(m_acc.parameters(), torch.optim.SGD, **kw)
     o_big = SAM(m_big.parameters(), torch.optim.SGD, **kw)
     for step in range(3):
-        x, y = _data(step, 24)
+        x, y = toy_data(step, 24)
         x = x.to(F64)
         _sam_step(m_acc, o_acc, list(zip(x.chunk(4), y.chunk(4))))  # k = 4 micro-batches
         _sam_step(m_big, o_big, [(x, y)])
@@ -473,14 +452,14 @@ def test_accumulation_equals_big_batch():
 # 7. clipping after the second pass clips g_sam (before first_step it is a no-op: section 4)
 def test_clipping_applies_to_the_second_gradient():
     lr, rho, clip = 0.1, 0.2, 0.05
-    m = _mlp(0)
-    oracle = _mlp(0)
-    x, y = _data(0, 16)
+    m = toy_mlp(0)
+    oracle = toy_mlp(0)
+    x, y = toy_data(0, 16)
     opt = SAM(m.parameters(), torch.optim.SGD, rho=rho, lr=lr)
     _sam_step(m, opt, [(x, y)], clip=clip)
 
     params = list(oracle.parameters())
-    w = _params(oracle)
+    w = clone_params(oracle)
     g = _grads_at(oracle, params, x, y)
     norm = torch.linalg.vector_norm(_flat(g))
     with torch.no_grad():
@@ -497,14 +476,14 @@ def test_clipping_applies_to_the_second_gradient():
 # -----------------------------------------------------------------------------
 # 8. weight decay is decoupled: it never enters eps
 def test_weight_decay_is_not_part_of_eps():
-    x, y = _data(0, 16)
+    x, y = toy_data(0, 16)
     moved = []
     for wd in (0.0, 0.5):
-        m = _mlp(0)
+        m = toy_mlp(0)
         opt = SAM(m.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2, weight_decay=wd)
         F.cross_entropy(m(x), y).backward()
         opt.first_step()
-        moved.append(_params(m))
+        moved.append(clone_params(m))
     for a, b in zip(*moved):
         assert torch.equal(a, b)
 
@@ -515,9 +494,8 @@ def test_weight_decay_is_not_part_of_eps():
 def test_step_with_closure_equals_two_step_loop(bn):
     """step(closure, model=...) is the written-out loop bit for bit, BatchNorm's running statistics included (issue
     45: the closure's second pass ran outside second_pass, so the statistics were updated at w + eps too)."""
-    x, y = _data(0, 16)
-    make = _bn_mlp if bn else _mlp
-    m1, m2 = make(0), make(0)
+    x, y = toy_data(0, 16)
+    m1, m2 = toy_mlp(0, bn=bn), toy_mlp(0, bn=bn)
     o1 = SAM(m1.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
     o2 = SAM(m2.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
 
@@ -541,14 +519,14 @@ def test_step_with_closure_equals_two_step_loop(bn):
 
 
 def test_param_groups_are_shared_so_schedulers_work_on_either():
-    m = _mlp(0)
+    m = toy_mlp(0)
     opt = SAM(m.parameters(), torch.optim.SGD, rho=0.0, lr=1.0)
     assert opt.param_groups is opt.base_optimizer.param_groups
     on_base = torch.optim.lr_scheduler.StepLR(opt.base_optimizer, 1, gamma=0.5)
     on_sam = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.2)
     for lr in (1.0, 0.1):  # the second step runs at 1.0 * 0.5 * 0.2
-        x, y = _data(0, 16)
-        w0 = _params(m)
+        x, y = toy_data(0, 16)
+        w0 = clone_params(m)
         g = _grads_at(m, list(m.parameters()), x, y)
         _sam_step(m, opt, [(x, y)])
         for p, wi, gi in zip(m.parameters(), w0, g):  # rho = 0: w - lr * g with the scheduled lr
@@ -564,13 +542,13 @@ def test_state_dict_round_trip_resumes_exactly():
     kw = dict(rho=0.1, adaptive=True, lr=1e-2, weight_decay=0.05)
 
     def make(seed, rho):
-        m = _mlp(seed)
+        m = toy_mlp(seed)
         opt = SAM(m.parameters(), torch.optim.AdamW, **{**kw, 'rho': rho})
         return m, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7)
 
     def train(m, opt, sched, steps):
         for step in steps:
-            _sam_step(m, opt, [_data(step, 16)])
+            _sam_step(m, opt, [toy_data(step, 16)])
             sched.step()
 
     m, opt, sched = make(0, 0.1)
@@ -595,13 +573,13 @@ def test_state_dict_round_trip_resumes_exactly():
 
 
 def test_misuse_fails_loudly():
-    m = _mlp(0)
+    m = toy_mlp(0)
     with pytest.raises(TypeError, match='optimizer class'):
         SAM(m.parameters(), torch.optim.SGD(m.parameters(), lr=0.1), rho=0.05)
     with pytest.raises(ValueError, match='rho'):
         SAM(m.parameters(), torch.optim.SGD, rho=-1.0, lr=0.1)
     opt = SAM(m.parameters(), torch.optim.SGD, lr=0.1)
-    x, y = _data(0, 8)
+    x, y = toy_data(0, 8)
     F.cross_entropy(m(x), y).backward()
     with pytest.raises(RuntimeError, match='first_step'):
         opt.step()  # a plain one-pass loop must not silently train without SAM
@@ -614,10 +592,10 @@ def test_lr_scheduler_sees_second_step_and_warns_nothing():
     """second_step() goes through SAM.step, so a scheduler attached to SAM knows the optimizer
     stepped: PyTorch's "lr_scheduler.step() before optimizer.step()" warning must not appear."""
     import warnings
-    m = _mlp(0)
+    m = toy_mlp(0)
     opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
-    x, y = _data(0, 16)
+    x, y = toy_data(0, 16)
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # any warning fails the test
         for _ in range(2):
@@ -631,12 +609,6 @@ def test_lr_scheduler_sees_second_step_and_warns_nothing():
 
 # -----------------------------------------------------------------------------
 # m-sharpness (Foret et al. Sec. 4.1): groups of m images, each with its own eps_hat
-def _bn_mlp(seed):
-    """Tiny model with BatchNorm: each group (or each DDP rank) normalises with its own statistics."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 3))
-
-
 def _sam_group_step(model, opt, groups, scaler=None, micro=1, clip=None, plant=None):
     """One m-sharpness SAM step exactly as in the sam.py docstring loop: k = len(groups) groups,
     each cut into `micro` micro-batches; plant=j puts an inf into group j's first gradient."""
@@ -673,11 +645,11 @@ M_CONFIGS = [  # (model, dtype, groups per rank) for a 2-rank DDP run
 
 
 def _m_model(name, dtype):
-    return (_mlp if name == 'mlp' else _bn_mlp)(0).to(dtype)
+    return toy_mlp(0, bn=name != 'mlp', dtype=dtype)  # BatchNorm: each group (rank) its own statistics
 
 
 def _m_batch(step, n, dtype):
-    x, y = _data(300 + step, n)
+    x, y = toy_data(300 + step, n)
     return x.to(dtype), y
 
 
@@ -688,7 +660,7 @@ def _m_single_process(name, dtype, k, m=M):
     for step in range(M_STEPS):
         x, y = _m_batch(step, k * m, dtype)
         _sam_group_step(model, opt, list(zip(x.split(m), y.split(m))))
-    return _params(model)
+    return clone_params(model)
 
 
 def _ddp_groups_worker(rank, world, port, out):
@@ -717,7 +689,7 @@ def _ddp_groups_worker(rank, world, port, out):
                     _sam_step(ddp, opt, [(xr, yr)])
                 else:
                     _sam_group_step(ddp, opt, list(zip(xr.split(M), yr.split(M))))
-            res.append({'final': _params(model), 'allreduces': len(calls)})
+            res.append({'final': clone_params(model), 'allreduces': len(calls)})
         torch.save(res, os.path.join(out, f'rank{rank}.pt'))
         dist.barrier()
     finally:
@@ -745,7 +717,7 @@ def test_m_sharpness_one_process_equals_ddp_ranks(ddp_runs):
 def test_m_sharpness_differs_from_whole_batch(name, dtype):
     """So that the test above cannot pass trivially: groups of m move w far from one eps_hat for
     the whole batch of 2m (and from a plain step)."""
-    w0 = _params(_m_model(name, dtype))
+    w0 = clone_params(_m_model(name, dtype))
     groups = _m_single_process(name, dtype, 2)
     whole = _m_single_process(name, dtype, 1, m=2 * M)
     assert (_flat(groups) - _flat(whole)).abs().max() > 1e-3
@@ -758,15 +730,15 @@ def test_m_sharpness_two_groups_by_hand(adaptive, clip):
     """fp64, two groups, plain SGD: each group perturbs with its OWN clean gradient, the two SAM
     gradients are averaged, clipping (if any) clips the average; written out with autograd.grad."""
     rho, eta, lr = 0.3, 0.01, 0.5
-    x, y = _data(7, 10)
+    x, y = toy_data(7, 10)
     groups = list(zip(x.double().split(5), y.split(5)))
-    model = _mlp(0).double()
+    model = toy_mlp(0).double()
     oracle = copy.deepcopy(model)
     opt = SAM(model.parameters(), torch.optim.SGD, rho=rho, adaptive=adaptive, eta=eta, lr=lr)
     _sam_group_step(model, opt, groups, clip=clip)
 
     params = list(oracle.parameters())
-    w = _params(oracle)
+    w = clone_params(oracle)
     g_avg = [torch.zeros_like(p) for p in params]
     for xg, yg in groups:
         g = _grads_at(oracle, params, xg, yg)
@@ -799,11 +771,11 @@ def test_one_group_is_the_plain_step_bit_for_bit(base, kw, micro):
     weights and the optimizer state, with an enabled GradScaler and micro-batch accumulation."""
     runs = []
     for grouped in (False, True):
-        m = _bn_mlp(0)
+        m = toy_mlp(0, bn=True)
         opt = SAM(m.parameters(), base, rho=0.2, adaptive=True, **kw)
         scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
         for step in range(3):
-            x, y = _data(step, 12)
+            x, y = toy_data(step, 12)
             if grouped:
                 _sam_group_step(m, opt, [(x, y)], scaler=scaler, micro=micro)
             else:
@@ -824,12 +796,12 @@ def test_m_sharpness_micro_batches_inside_groups():
     (another summation order: fp32 would round apart by a CPU-dependent ~1e-7)."""
     runs = []
     for micro in (1, 3):
-        m = _mlp(0).to(F64)
+        m = toy_mlp(0).to(F64)
         opt = SAM(m.parameters(), torch.optim.SGD, **M_KW)
         for step in range(2):
-            x, y = _data(step, 18)
+            x, y = toy_data(step, 18)
             _sam_group_step(m, opt, list(zip(x.to(F64).split(9), y.split(9))), micro=micro)
-        runs.append(_params(m))
+        runs.append(clone_params(m))
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
@@ -838,12 +810,12 @@ def test_m_sharpness_micro_batches_inside_groups():
 def test_m_sharpness_overflow_in_one_group_skips_the_step(bad):
     """An inf in group `bad`'s first gradient: that group does not move w (exactly), its gradient
     is kept in the sum, GradScaler skips the whole step, w is unchanged, and training goes on."""
-    m = _mlp(0)
+    m = toy_mlp(0)
     opt = SAM(m.parameters(), torch.optim.AdamW, rho=0.1, lr=1e-2)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
-    x, y = _data(0, 12)
+    x, y = toy_data(0, 12)
     groups = list(zip(x.split(4), y.split(4)))
-    w0 = _params(m)
+    w0 = clone_params(m)
     moved = []
     first_step = opt.first_step
 
@@ -878,9 +850,9 @@ def test_m_sharpness_batchnorm_statistics_from_clean_passes():
 
 
 def test_m_sharpness_misuse_fails_loudly():
-    m = _mlp(0)
+    m = toy_mlp(0)
     opt = SAM(m.parameters(), torch.optim.SGD, lr=0.1)
-    x, y = _data(0, 8)
+    x, y = toy_data(0, 8)
     with pytest.raises(RuntimeError, match='first_step'):
         opt.next_group()
     F.cross_entropy(m(x), y).backward()
@@ -924,11 +896,11 @@ def test_no_host_sync_in_the_sam_step(adaptive, scaler, k):
     """first_step, the second pass and the step read nothing back to the host; an enabled
     GradScaler (fp16) costs one read of found_inf, as GradScaler's own step does. SGD as the
     base: AdamW reads its step counter, a CPU tensor (no device sync, but counted here)."""
-    m = _bn_mlp(0)
+    m = toy_mlp(0, bn=True)
     opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, adaptive=adaptive, lr=0.1, momentum=0.9)
     gs = None if scaler == 'none' else torch.amp.GradScaler('cpu', enabled=scaler == 'enabled')
-    x, y = _data(0, 8)
-    w0 = _params(m)
+    x, y = toy_data(0, 8)
+    w0 = clone_params(m)
     for j, (xg, yg) in enumerate(zip(x.chunk(k), y.chunk(k))):
         loss = F.cross_entropy(m(xg), yg)
         (loss if gs is None else gs.scale(loss)).backward()
@@ -960,7 +932,7 @@ def test_no_host_sync_in_the_sam_step(adaptive, scaler, k):
 def test_bad_rho_or_eta_is_refused_at_construction(kw, error, message):
     """A string used to fail deep in first_step; rho = inf was accepted and made every weight NaN after one
     step (inf / ||g||): refused with the reason, in the constructor and in a per-group setting alike."""
-    m = _mlp(0)
+    m = toy_mlp(0)
     with pytest.raises(error, match=message):
         SAM(m.parameters(), torch.optim.SGD, lr=0.1, **kw)
     with pytest.raises(error, match=message):
@@ -975,9 +947,9 @@ def test_bad_rho_or_eta_is_refused_at_construction(kw, error, message):
 
 def test_options_tested_for_truth_must_be_bools():
     """Issue 42 (GL09's kind): zero_grad='no' would zero the gradients, sync='no' would all-reduce."""
-    m = _mlp(0)
+    m = toy_mlp(0)
     opt = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
-    x, y = _data(0, 8)
+    x, y = toy_data(0, 8)
     F.cross_entropy(m(x), y).backward()
     with pytest.raises(TypeError, match="zero_grad must be True or False, got str 'no'"):
         opt.first_step(zero_grad='no')
@@ -1016,7 +988,7 @@ def test_every_bucket_is_restored_after_the_step(adaptive):
 
 def test_next_group_before_first_step_names_next_group():
     """SL01: the message is about next_group(), not about second_step() / step()."""
-    opt = SAM(_mlp(0).parameters(), torch.optim.SGD, lr=0.1)
+    opt = SAM(toy_mlp(0).parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(RuntimeError, match=r'SAM.next_group\(\) goes between two m-sharpness groups: after the '
                                            r'first_step\(\)'):
         opt.next_group()
@@ -1025,7 +997,7 @@ def test_next_group_before_first_step_names_next_group():
 def test_load_state_dict_the_saved_settings_win_as_documented():
     """SL13: as every torch optimizer, the file's rho (and lr, weight_decay) win over the constructor's; the
     docstring says so and names the way to keep new ones (runs.load_optimizer_state, tested in test_library)."""
-    m = _mlp(0)
+    m = toy_mlp(0)
     old = SAM(m.parameters(), torch.optim.SGD, rho=0.05, lr=0.1)
     new = SAM(m.parameters(), torch.optim.SGD, rho=0.1, lr=0.1)
     new.load_state_dict(old.state_dict())

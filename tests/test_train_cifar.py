@@ -16,7 +16,6 @@ import pickle
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ import pgd
 import train_cifar as tc
 import vit
 from conftest import PER_CLASS, REPO, write_bomb_png
+from toys import free_port, toy_data, toy_mlp
 
 SCRIPT = str(REPO / 'train_cifar.py')
 TINY = ['--model-kw', 'dim=16', 'depth=1', 'patch_size=4', 'kernel_size=3']  # 1,482 params
@@ -83,9 +83,7 @@ def rows(out_dir, kind):
 
 
 def torchrun(nproc, *args, script=SCRIPT):
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return check(subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc),
                                  '--master_port', str(port), script, *map(str, args)],
                                 cwd=REPO, env=env(), capture_output=True, text=True, timeout=600))
@@ -248,9 +246,7 @@ def test_ddp_sam_and_exact_eval(learning_runs, cifar10_dir, tmp_path):
         assert casts['all'] >= n_buffers, casts  # sync_buffers: one per buffer
     # the 3-process --eval-only of that checkpoint (checked at the end) runs beside the simulation below, which
     # takes one core here: its 4 start-ups and the simulation overlap instead of adding up
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+    port = free_port()
     eval_only = ['--eval-only', '--checkpoint', out_dir / 'last.pt', '--data', cifar10_dir, '--test-subset', 1001,
                  '--eval-batch-size', 128]
     three = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '3', '--master_port',
@@ -1033,17 +1029,15 @@ def _gsam_train_steps(model, fwd, rank, world):
 
 
 def _gsam_data(step, n):
-    from test_gsam import _data
-    return _data(70 + step, n, torch.float64)
+    return toy_data(70 + step, n, torch.float64)
 
 
 def _gsam_ddp_worker(rank, world, port, out):
     import torch.distributed as dist
-    from test_gsam import _mlp
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world)
     try:
-        model = _mlp(0).to(torch.float64)
+        model = toy_mlp(0).to(torch.float64)
         torch.save(_gsam_train_steps(model, nn.parallel.DistributedDataParallel(model), rank, world),
                    os.path.join(out, f'rank{rank}.pt'))
     finally:
@@ -1055,13 +1049,11 @@ def test_ddp_gsam_train_step_decomposes_each_replicas_g_p_then_averages(tmp_path
     g_p against its own g (gsam_gradient), then the mean over all 4 groups (its train.py: pmean after), SGD w - lr d.
     Fails if the last second pass all-reduces g_p before the decomposition (DDP's sync on its backward)."""
     import torch.multiprocessing as mp
-    from test_gsam import _gsam_gradient, _mlp, _mlp_loss
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+    from test_gsam import _gsam_gradient, _mlp_loss
+    port = free_port()
     mp.spawn(_gsam_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     got = [torch.load(tmp_path / f'rank{r}.pt') for r in range(2)]
-    params = {n: p.detach().clone() for n, p in _mlp(0).to(torch.float64).named_parameters()}
+    params = {n: p.detach().clone() for n, p in toy_mlp(0).to(torch.float64).named_parameters()}
     kw = dict(GSAM_KW, rho_max=GSAM_KW['rho'])
     del kw['rho']
     for step, lr in enumerate(GSAM_LRS):
@@ -1081,14 +1073,14 @@ def test_train_steps_surrogate_gap_is_the_mean_of_f_p_minus_f_over_the_groups(gs
     import argparse
     from gsam import GSAM
     from sam import SAM
-    from test_gsam import _data, _mlp, _mlp_loss
-    model = _mlp(0).to(torch.float64)
+    from test_gsam import _mlp_loss
+    model = toy_mlp(0).to(torch.float64)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     lr = 0.2
     opt = GSAM(model.parameters(), torch.optim.SGD, lr=lr, **GSAM_KW) if gsam else \
         SAM(model.parameters(), torch.optim.SGD, rho=GSAM_KW['rho'], lr=lr)
     rho = GSAM_KW['rho_min'] + (GSAM_KW['rho'] - GSAM_KW['rho_min']) * (lr - 0.05) / 0.45 if gsam else GSAM_KW['rho']
-    x, y = _data(5, 12, torch.float64)
+    x, y = toy_data(5, 12, torch.float64)
     gaps = []
     for xg, yg in zip(x.split(4), y.split(4)):
         ps = {n: p.clone().requires_grad_() for n, p in params.items()}

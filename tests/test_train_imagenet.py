@@ -15,7 +15,6 @@ import os
 import re
 import runpy
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -31,6 +30,7 @@ import train_imagenet as ti
 import vit
 from conftest import REPO, write_bomb_png
 from sam import SAM
+from toys import free_port
 
 IMG = 64
 VAL_PER_CLASS = [4, 3, 3, 3, 4, 3, 3, 4, 3, 3]  # 33 validation images: odd, and uneven over 2 ranks
@@ -68,12 +68,6 @@ def tiny_imagenet(cifar10_dir, tmp_path_factory):
                 img = Image.open(cifar10_dir / src / c / f).convert('RGB').resize((IMG, IMG), Image.BICUBIC)
                 img.save(root / split / c / (f.rsplit('.', 1)[0] + '.JPEG'), quality=90)
     return root
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def run(args, nproc=1, expect_ok=True, script=REPO / 'train_imagenet.py'):
